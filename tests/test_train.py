@@ -1,0 +1,77 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from lordo.cli import main
+from lordo.config import build_config
+from lordo.train.loop import train
+
+NANO = ["model.preset=nano", "train.batch_size=8", "train.eval_batches=4", "schedule.warmup_steps=5"]
+
+
+def run_nano(data_dir, out, steps=40, extra=()):
+    cfg = build_config(overrides=NANO + [f"train.steps={steps}", f"train.eval_every={steps // 2}",
+                                         f"data.dir={json.dumps(str(data_dir))}", *extra])
+    return train(cfg, out, log=lambda _: None, stream=open("/dev/null", "w"))
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_on_nano(data_dir, tmp_path):
+    summary = run_nano(data_dir, tmp_path, steps=60, extra=["optim.lr=1e-2"])
+    rows = read_metrics(tmp_path)
+    initial = rows[0]["val_loss"]
+    assert initial == pytest.approx(math.log(4096), abs=0.3)
+    assert summary["val_loss"] < initial - 1.0
+
+
+def test_same_seed_same_metrics(data_dir, tmp_path):
+    run_nano(data_dir, tmp_path / "a", steps=20)
+    run_nano(data_dir, tmp_path / "b", steps=20)
+    run_nano(data_dir, tmp_path / "c", steps=20, extra=["train.seed=1"])
+    a, b, c = (read_metrics(tmp_path / d) for d in "abc")
+    assert a == b
+    assert a != c
+
+
+def test_cli_run_writes_the_three_files(data_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--model", "nano", "--steps", "20", "--out", str(out), "--data-dir", str(data_dir),
+                 "--set", "train.eval_every=10", "--set", "schedule.warmup_steps=2"])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["preset"] == "nano" and config["train"]["steps"] == 20
+    rows = read_metrics(out)
+    assert {"step", "tokens", "train_loss", "lr"} <= set(rows[-1])
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    assert all(r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in evals)
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("val_loss", "val_ppl", "steps", "tokens", "wall_s", "tokens_per_s", "params", "optimizer_state_bytes"):
+        assert key in summary
+    assert summary["tokens"] == 20 * 16 * 64  # steps x default batch_size x nano seq_len
+    assert summary["optimizer_state_bytes"] == {"full_rank_moments": 2 * 4 * summary["params"]}
+    assert "val perplexity" in capsys.readouterr().out
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "lordo.cli", "train", "--set", "optim.lr=-1", "--out", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "lordo: error: optim.lr must be > 0, got -1.0"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["data", "--help"], ["data", "prepare", "--help"]])
+def test_help_explains_options(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: lordo" in out
+    if argv[0] == "train":
+        assert "--set KEY=VALUE" in out and "optim.lr" in out
