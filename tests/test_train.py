@@ -75,3 +75,33 @@ def test_help_explains_options(argv, capsys):
     assert "usage: lordo" in out
     if argv[0] == "train":
         assert "--set KEY=VALUE" in out and "optim.lr" in out
+
+
+def test_cli_gloo_workers_match_the_simulator(data_dir, tmp_path):
+    """`lordo train --backend gloo --workers 2` starts two processes; they must train exactly what the
+    simulator trains, and count the same bytes."""
+    common = ["train", "--model", "nano", "--steps", "12", "--strategy", "local-adam", "--workers", "2",
+              "--sync-every", "5", "--data-dir", str(data_dir), "--set", "schedule.warmup_steps=2",
+              "--set", "train.eval_every=6", "--set", "train.eval_batches=2"]
+    done = subprocess.run([sys.executable, "-m", "lordo.cli", *common, "--backend", "gloo", "--out", str(tmp_path / "gloo")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("done: local-adam with 2 worker(s)") == 1  # one summary for the job
+    assert main([*common, "--backend", "sim", "--out", str(tmp_path / "sim")]) == 0
+    import torch
+
+    gloo, sim = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("gloo", "sim"))
+    assert gloo.keys() == sim.keys()
+    for k in sim:
+        torch.testing.assert_close(gloo[k], sim[k], rtol=1e-5, atol=1e-6)
+    s_gloo, s_sim = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("gloo", "sim"))
+    assert s_gloo["communicator"] == "TorchDistCommunicator" and s_sim["communicator"] == "SimCommunicator"
+    for key in ("comm_bytes_total", "comm_calls", "comm_by_collective", "ddp_comm_bytes", "tokens"):
+        assert s_gloo[key] == s_sim[key]
+    n = s_sim["params"]
+    # syncs at steps 5 and 10, a final one at 12, plus the initial broadcast: 4 payloads of the full model
+    assert s_sim["comm_bytes_total"] == 4 * 4 * n
+    assert s_sim["ddp_comm_bytes"] == 13 * 4 * n
+    assert s_sim["comm_ratio_to_ddp"] == pytest.approx(4 / 13)
+    rows = read_metrics(tmp_path / "sim")
+    assert rows[-1]["comm_bytes"] == s_sim["comm_bytes_total"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,27 +14,59 @@ from .errors import LordoError
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .comm.torch_dist import launched_by_torchrun
     from .config import build_config
+    from .launch import launch_local, worker_command
     from .train.loop import train
 
     overrides = list(args.set or [])
-    if args.model is not None:
-        overrides.append(f"model.preset={json.dumps(args.model)}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    if args.data_dir is not None:
-        overrides.append(f"data.dir={json.dumps(args.data_dir)}")
+    for flag, key, quote in (
+        (args.model, "model.preset", True),
+        (args.steps, "train.steps", False),
+        (args.data_dir, "data.dir", True),
+        (args.strategy, "strategy.name", True),
+        (args.workers, "dist.workers", False),
+        (args.backend, "dist.backend", True),
+        (args.sync_every, "strategy.sync_every", False),
+        (args.rank, "strategy.rank", False),
+        (args.omega, "strategy.omega", False),
+    ):
+        if flag is not None:
+            overrides.append(f"{key}={json.dumps(flag) if quote else flag}")
     cfg = build_config(args.config, overrides)
-    out = Path(args.out) if args.out else Path("runs") / f"{cfg.model.preset}-{cfg.strategy.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    summary = train(cfg, out)
-    print(
-        f"\ndone: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.0f}s "
-        f"({summary['tokens_per_s']:,.0f} tokens/s while training)\n"
-        f"val perplexity {summary['val_ppl']:.2f} (unigram baseline {summary['unigram_val_ppl']:.1f}), "
-        f"val loss {summary['val_loss']:.4f}\n"
-        f"outputs: {out}/config.json, metrics.jsonl, summary.json"
-    )
+    if args.out:
+        out = Path(args.out)
+    else:
+        stamp = os.environ.get("LORDO_RUN_STAMP") or time.strftime("%Y%m%d-%H%M%S")
+        os.environ["LORDO_RUN_STAMP"] = stamp  # launched workers agree on the folder name
+        out = Path("runs") / f"{cfg.model.preset}-{cfg.strategy.name}-{stamp}"
+    if cfg.dist.backend in ("gloo", "nccl") and not launched_by_torchrun():
+        print(f"starting {cfg.dist.workers} {cfg.dist.backend} worker processes", file=sys.stderr)
+        launch_local(worker_command(args.argv), cfg.dist.workers)
+        summary = json.loads((out / "summary.json").read_text())
+    else:
+        summary = train(cfg, out)
+        if os.environ.get("RANK", "0") != "0" or os.environ.get("LORDO_LAUNCHED"):
+            return 0  # one summary per job: rank 0 under torchrun, the launcher under `lordo train`
+    _print_summary(summary, out)
     return 0
+
+
+def _print_summary(s: dict, out: Path) -> None:
+    lines = [
+        f"\ndone: {s['strategy']} with {s['workers']} worker(s), {s['steps']} steps, {s['tokens']:,} tokens "
+        f"in {s['wall_s']:.0f}s ({s['tokens_per_s']:,.0f} tokens/s while training)",
+        f"val perplexity {s['val_ppl']:.2f} (unigram baseline {s['unigram_val_ppl']:.1f}), val loss {s['val_loss']:.4f}",
+    ]
+    if s["workers"] > 1:
+        walls = ", ".join(f"{k.replace('gbit', ' Gbit/s')}: {v:.0f}s" for k, v in s["modeled_wall_s"].items())
+        lines.append(
+            f"communication: {s['comm_bytes_total'] / 2**20:,.1f} MiB per worker in {s['comm_calls']} collectives, "
+            f"{s['comm_ratio_to_ddp']:.3f}x of what ddp sends ({1 / s['comm_ratio_to_ddp']:.1f}x less); "
+            f"modelled wall-clock {walls}"
+        )
+    lines.append(f"outputs: {out}/config.json, metrics.jsonl, summary.json")
+    print("\n".join(lines))
 
 
 def _data_fetch(args: argparse.Namespace) -> int:
@@ -91,6 +124,15 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", metavar="DIR", help="output folder (default: runs/<preset>-<strategy>-<time>)")
     t.add_argument("--data-dir", metavar="DIR", help="data folder (data.dir, default ./data)")
     t.add_argument(
+        "--strategy", metavar="NAME",
+        help="strategy.name: ddp, local-adam, lordo, lordo-global-noqh, lordo-local, lowrank-ddp",
+    )
+    t.add_argument("--workers", type=int, metavar="M", help="dist.workers: number of data-parallel workers")
+    t.add_argument("--backend", metavar="B", help="dist.backend: auto, sim, gloo or nccl")
+    t.add_argument("--sync-every", type=int, metavar="K", help="strategy.sync_every: local steps between syncs")
+    t.add_argument("--rank", type=int, metavar="R", help="strategy.rank: rank of the low-rank moments")
+    t.add_argument("--omega", type=float, metavar="W", help="strategy.omega: QH weight on the low-rank momentum")
+    t.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override one config key, e.g. --set optim.lr=3e-3 (repeatable)"
     )
     t.set_defaults(func=_train)
@@ -119,7 +161,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except LordoError as exc:

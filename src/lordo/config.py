@@ -50,6 +50,8 @@ def _choice(*allowed: str) -> Callable[[Any], str | None]:
 
 
 def _f(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, "check": check})
     return field(default=default, metadata={"help": help, "check": check})
 
 
@@ -108,9 +110,49 @@ class TrainConfig:
     threads: int = _f(0, "torch intra-op threads; 0 = torch's default", _non_negative)
 
 
+STRATEGY_NAMES = ("ddp", "local-adam", "lordo", "lordo-global-noqh", "lordo-local", "lowrank-ddp")
+
+
 @dataclass(kw_only=True)
 class StrategyConfig:
-    name: str = _f("ddp", "what happens after backward (ddp = AdamW on the averaged gradient)", _choice("ddp"))
+    name: str = _f("ddp", "what happens after backward: ddp (AdamW on the averaged gradient every step), "
+                   "local-adam (K local AdamW steps, then average; DiLoCo / DES-LOC), lordo (global low-rank basis + "
+                   "full-rank QH term), lordo-global-noqh (omega = 1), lordo-local (per-worker bases), "
+                   "lowrank-ddp (projected gradients all-reduced every step)", _choice(*STRATEGY_NAMES))
+    sync_every: int = _f(32, "K: local steps between synchronisations (lowrank-ddp: steps between basis refreshes)",
+                         _positive)
+    outer_lr: float = _f(1.0, "outer step size on the averaged pseudo-gradient (1 = model averaging)", _positive)
+    outer_momentum: float = _f(0.0, "outer SGD momentum (0 = none; DiLoCo uses 0.9 with outer_lr 0.7)", _unit_open)
+    outer_nesterov: bool = _f(True, "Nesterov form of the outer momentum (when outer_momentum > 0)")
+    average_moments: str = _f("auto", "optimizer moments averaged over workers: auto (none for local-adam and "
+                              "lordo-local, the low-rank ones for lordo and lordo-global-noqh), none, lowrank, all",
+                              _choice("auto", "none", "lowrank", "all"))
+    sync_exp_avg_every: int = _f(0, "period in steps of averaging first moments; 0 = at every sync", _non_negative)
+    sync_exp_avg_sq_every: int = _f(0, "period in steps of averaging second moments; 0 = at every sync", _non_negative)
+    rank: int = _f(16, "r: rank of the low-rank moments (1 <= r <= min(p, q) of every low-rank matrix)", _positive)
+    omega: float = _f(0.98, "QH weight on the low-rank momentum; 1 - omega goes to the raw full-rank gradient "
+                      "(lordo-global-noqh and lowrank-ddp use 1)", _unit_closed)
+    error_feedback: bool = _f(True, "feed what the projection drops back into the next step's gradient")
+    basis_method: str = _f("svd", "how bases are computed: exact svd, or warm-started subspace iteration",
+                           _choice("svd", "subspace"))
+    qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper) or G + error feedback",
+                        _choice("grad", "grad+error"))
+    lowrank_pattern: str = _f(r"^blocks\.\d+\.(attn|mlp)\.\w+\.weight$",
+                              "regular expression: 2-D parameters whose names match are trained low-rank")
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    workers: int = _f(1, "M: data-parallel workers (simulated, or processes started by lordo/torchrun)", _positive)
+    backend: str = _f("auto", "sim = M workers in this process; gloo/nccl = torch.distributed; auto = torch.distributed "
+                      "under torchrun (gloo on CPU, nccl on CUDA), else sim", _choice("auto", "sim", "gloo", "nccl"))
+    timeout_s: float = _f(300.0, "seconds a collective may wait for a peer before the run fails", _positive)
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    latency_s: float = _f(1e-4, "per-collective latency of the modelled network", _non_negative)
+    bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) at which the wall-clock is modelled")
 
 
 @dataclass(kw_only=True)
@@ -121,6 +163,8 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -131,9 +175,9 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)} 
 # Shape presets. vocab_size comes from the tokenizer, so parameter counts below are for vocab 4096.
 PRESETS: dict[str, dict[str, int]] = {
     "nano": dict(d_model=32, n_layers=2, n_heads=2, seq_len=64),  # ~0.16M, for tests
-    "micro": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128),  # ~1.3M
-    "small": dict(d_model=256, n_layers=6, n_heads=8, seq_len=256),  # ~5.8M
-    "paper-16m": dict(d_model=256, n_layers=4, n_heads=4, seq_len=256),  # the paper's smallest shape
+    "micro": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128),  # ~1.4M
+    "small": dict(d_model=256, n_layers=6, n_heads=8, seq_len=256),  # ~5.9M
+    "paper-16m": dict(d_model=256, n_layers=4, n_heads=4, seq_len=256),  # the paper's smallest shape, ~4.3M
 }
 
 
@@ -163,6 +207,14 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is list:  # lists of positive numbers (bandwidths)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, list) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value
+        ):
+            return [float(v) for v in value]
+        raise ConfigError(f"{key} must be a non-empty list of positive numbers, got {value!r}")
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
 
 
@@ -281,6 +333,12 @@ def validate(cfg: Config) -> None:
         )
     if not 0 < cfg.data.val_fraction < 0.5:
         raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}")
+    import re
+
+    try:
+        re.compile(cfg.strategy.lowrank_pattern)
+    except re.error as exc:
+        raise ConfigError(f"strategy.lowrank_pattern is not a valid regular expression: {exc}") from None
     if cfg.schedule.warmup_steps >= cfg.train.steps and cfg.schedule.warmup_steps > 0:
         raise ConfigError(
             f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be smaller than train.steps "

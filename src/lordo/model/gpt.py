@@ -33,6 +33,11 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Norms, rotations and the loss run in fp32 under bf16/fp16; float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -40,7 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = _at_least_fp32(x)
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
@@ -54,7 +59,8 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (batch, heads, time, head_dim); rotates each consecutive pair of channels by its angle."""
     t = x.shape[-2]
-    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    xf = _at_least_fp32(x)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
     c, s = cos[:t], sin[:t]
     out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     return out.type_as(x)
@@ -142,5 +148,5 @@ class GPT(nn.Module):
         logits = F.linear(self.norm(x), self.tok_emb.weight)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(_at_least_fp32(logits).view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss

@@ -1,7 +1,9 @@
 """The strategy interface: everything that happens after ``loss.backward()``.
 
-A strategy owns the optimizer state and any communication. The training loop only computes
-gradients and calls ``step``; it never touches an optimizer directly.
+A strategy owns the optimizer state and all communication. It serves the workers this process hosts
+(all M on the simulator, one under torch.distributed) and talks to the others only through the
+communicator, so the same code runs on both. The training loop computes gradients and calls ``step``;
+it never touches an optimizer directly.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm import Communicator
+from ..config import Config
 from ..model.params import ParamGroup
 
 
@@ -19,20 +23,52 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm of ``params`` in place (0 = no clipping); returns the norm before."""
+    with_grad = [p for p in params if p.grad is not None]
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True))
+
+
+def make_adamw(groups: list[ParamGroup], cfg) -> torch.optim.AdamW:
+    """AdamW over parameter groups; weight decay only where the group's rule asks for it."""
+    param_groups = [
+        {"params": g.params, "weight_decay": cfg.weight_decay if g.rule.weight_decay else 0.0, "name": g.rule.group}
+        for g in groups
+    ]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
 class Strategy(ABC):
-    """After-backward logic for one process's model replica(s)."""
+    """After-backward logic for the model replicas (one per hosted worker) of this process."""
 
     name: str = ""
 
-    def __init__(self, model: nn.Module, groups: list[ParamGroup]) -> None:
-        self.model = model
-        self.groups = groups
+    def __init__(self, models: list[nn.Module], groups: list[list[ParamGroup]], cfg: Config, comm: Communicator) -> None:
+        if len(models) != len(comm.local_ranks):
+            raise ValueError(f"{len(models)} model replicas for {len(comm.local_ranks)} hosted workers")
+        self.models, self.groups, self.cfg, self.comm = models, groups, cfg, comm
+        self.params = [[p for g in worker_groups for p in g.params] for worker_groups in groups]
+        self.steps_done = 0
+
+    def grads(self) -> list[list[torch.Tensor]]:
+        out = []
+        for params in self.params:
+            missing = [i for i, p in enumerate(params) if p.grad is None]
+            if missing:
+                raise RuntimeError(f"{len(missing)} parameters have no gradient: call loss.backward() before step()")
+            out.append([p.grad for p in params])
+        return out
 
     @abstractmethod
     def step(self, lr: float) -> dict[str, float]:
-        """Apply one optimizer step from the gradients in ``.grad`` at learning rate ``lr``, then clear them.
+        """One optimizer step of every hosted worker from its ``.grad`` at learning rate ``lr``, including any
+        communication due at this step; clears the gradients. Returns diagnostics for the metrics log."""
 
-        Returns diagnostics for the metrics log (e.g. ``grad_norm``)."""
+    def finish(self) -> dict[str, float]:
+        """Bring the workers to one model at the end of training (a final sync if one is pending)."""
+        return {}
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -43,4 +79,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state held per worker, by category."""
+        """Bytes of optimizer state one worker holds, by category."""
+
+    @abstractmethod
+    def step_payload_bytes(self) -> int:
+        """Bytes one worker would all-reduce per step under ``ddp`` (the full gradient): the reference."""

@@ -1,0 +1,77 @@
+"""One small communicator interface, implemented in-process (``sim``) and over torch.distributed.
+
+A process hosts one or more workers (``local_ranks``): the simulator hosts all M, a torch.distributed
+process hosts one. Collectives take one list of tensors *per hosted worker* and work in place, so the
+strategy code is identical on both: it loops over its hosted workers and calls the same collectives.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+from .ledger import Ledger
+
+TensorLists = Sequence[Sequence[torch.Tensor]]
+
+
+def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Communicator(ABC):
+    world_size: int
+    local_ranks: list[int]
+
+    def __init__(self, world_size: int, local_ranks: list[int]) -> None:
+        self.world_size = world_size
+        self.local_ranks = local_ranks
+        self.ledger = Ledger(world_size)
+
+    @property
+    def is_main(self) -> bool:
+        """True in the process that hosts worker 0 (evaluates, logs, writes files)."""
+        return 0 in self.local_ranks
+
+    @property
+    def is_node_main(self) -> bool:
+        """True in one process per machine: the one that prepares local files such as the corpus."""
+        return True
+
+    def _check(self, per_worker: TensorLists) -> list[torch.Tensor]:
+        if len(per_worker) != len(self.local_ranks):
+            raise ValueError(f"expected tensors for {len(self.local_ranks)} hosted workers, got {len(per_worker)}")
+        first = list(per_worker[0])
+        for other in per_worker[1:]:
+            if [t.shape for t in other] != [t.shape for t in first]:
+                raise ValueError("every worker must pass tensors of the same shapes")
+        return first
+
+    def all_reduce_mean(self, per_worker: TensorLists, tag: str) -> None:
+        """Replace each worker's tensors, in place, by their mean over all workers."""
+        first = self._check(per_worker)
+        t0 = time.perf_counter()
+        self._all_reduce_mean(per_worker)
+        self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+
+    def broadcast(self, per_worker: TensorLists, tag: str, src: int = 0) -> None:
+        """Replace each worker's tensors, in place, by worker ``src``'s."""
+        first = self._check(per_worker)
+        t0 = time.perf_counter()
+        self._broadcast(per_worker, src)
+        self.ledger.record("broadcast", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+
+    @abstractmethod
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None: ...
+
+    @abstractmethod
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None: ...
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release the process group, if any."""

@@ -1,0 +1,32 @@
+"""M virtual workers in one process: exact, deterministic collectives (sums in rank order)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Communicator, TensorLists
+
+
+class SimCommunicator(Communicator):
+    def __init__(self, world_size: int) -> None:
+        super().__init__(world_size, list(range(world_size)))
+
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        for tensors in zip(*per_worker):
+            acc = tensors[0].clone()
+            for t in tensors[1:]:
+                acc += t
+            acc /= self.world_size
+            for t in tensors:
+                t.copy_(acc)
+
+    @torch.no_grad()
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        for tensors in zip(*per_worker):
+            for i, t in enumerate(tensors):
+                if i != src:
+                    t.copy_(tensors[src])
+
+    def barrier(self) -> None:
+        pass

@@ -1,0 +1,106 @@
+"""torch.distributed backend: one worker per process (gloo on CPU, NCCL on CUDA), started by torchrun
+or by ``lordo train --backend gloo --workers M``.
+
+Collectives are bucketed (one flat buffer per dtype) and have a timeout; a failure inside torch.distributed
+(a peer that died, a timeout) surfaces as a :class:`CommError` naming the collective.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import LordoError
+from .base import Communicator, TensorLists
+
+
+class CommError(LordoError):
+    """A collective failed: a worker died, the network broke, or the timeout expired."""
+
+
+ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ENV_KEYS)
+
+
+class TorchDistCommunicator(Communicator):
+    def __init__(self, backend: str, timeout_s: float) -> None:
+        missing = [k for k in ENV_KEYS if k not in os.environ]
+        if missing:
+            raise CommError(
+                f"backend {backend!r} needs a launcher: environment variables {', '.join(missing)} are not set. "
+                "Start with `torchrun --nproc-per-node M -m lordo.cli train ...` or `lordo train --workers M --backend "
+                f"{backend}` (which starts the processes itself)"
+            )
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise CommError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        self.timeout = _dt.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=self.timeout)
+            except Exception as exc:  # rendezvous failures come in several exception types
+                raise CommError(
+                    f"could not join the process group as rank {rank} of {world} at "
+                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} ({backend}): {exc}"
+                ) from exc
+        super().__init__(world, [rank])
+        self.backend = backend
+        self.rank = rank
+
+    @property
+    def is_node_main(self) -> bool:
+        return int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            raise CommError(
+                f"worker {self.rank}: {what} failed; another worker probably died or the network broke "
+                f"(timeout {self.timeout.total_seconds():.0f}s). Cause: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
+
+    @staticmethod
+    def _buckets(tensors) -> dict:
+        buckets: dict = {}
+        for t in tensors:
+            buckets.setdefault((t.dtype, t.device), []).append(t)
+        return buckets
+
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        (tensors,) = per_worker
+        for group in self._buckets(tensors).values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM)
+            flat /= self.world_size
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    @torch.no_grad()
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        (tensors,) = per_worker
+        for group in self._buckets(tensors).values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self._run("broadcast", dist.broadcast, flat, src=src)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def barrier(self) -> None:
+        self._run("barrier", dist.barrier)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,62 @@
+"""Projection, back-projection, error feedback and momentum rotation for one low-rank matrix."""
+
+from __future__ import annotations
+
+import torch
+
+from .subspace import RIGHT
+
+
+def project(a: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """p×q → p×r (right side: A·P) or r×q (left side: Pᵀ·A)."""
+    return a @ basis if side == RIGHT else basis.T @ a
+
+
+def back_project(g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """Low-rank → p×q: g·Pᵀ (right) or P·g (left)."""
+    return g @ basis.T if side == RIGHT else basis @ g
+
+
+def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """g = proj(G + E), and E ← (G + E) − back(g) in place: what the projection drops is fed back next step.
+
+    With ``error`` None (error feedback off) this is g = proj(G)."""
+    if error is None:
+        return project(grad, basis, side)
+    error.add_(grad)  # E now holds A = G + E
+    g = project(error, basis, side)
+    error.sub_(back_project(g, basis, side))
+    return g
+
+
+def rotate_moments(
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    side: str,
+    step: int,
+    beta1: float,
+    beta2: float,
+) -> None:
+    """Carry low-rank Adam moments from basis ``old`` to ``new`` in place (LDAdam's rotation).
+
+    With C = P_newᵀ·P_old (r×r) applied on the reduced axis:
+        u ← C·u
+        v ← |(C∘C)·(v̂ − û²) + (C·û)²| · (1 − β2^t)      (v̂, û bias-corrected; v̂ − û² clamped at 0)
+    A basis spanning the same subspace leaves back(u) unchanged."""
+    c = new.T @ old
+    if step <= 0:  # nothing accumulated yet
+        exp_avg.zero_(), exp_avg_sq.zero_()
+        return
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    u_hat = exp_avg / bc1
+    variance = (exp_avg_sq / bc2 - u_hat.square()).clamp_(min=0)
+    if side == RIGHT:  # moments are p×r: the reduced axis is the last one
+        rotated_u = u_hat @ c.T
+        rotated_var = variance @ c.square().T
+    else:  # r×q
+        rotated_u = c @ u_hat
+        rotated_var = c.square() @ variance
+    exp_avg.copy_(rotated_u * bc1)
+    exp_avg_sq.copy_((rotated_var + rotated_u.square()).abs_() * bc2)

@@ -1,0 +1,109 @@
+"""Shared helpers: a tiny model and synthetic batches to drive strategies on any communicator,
+and a way to run the same function as N gloo processes."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import time
+import socket
+import traceback
+
+import torch
+
+from lordo.config import build_config
+from lordo.model import GPT, GPTConfig, group_parameters
+from lordo.strategies import build_strategy
+
+VOCAB = 61
+
+
+def tiny_model(dtype: torch.dtype = torch.float32) -> GPT:
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, seq_len=8)).to(dtype)
+
+
+def batch(rank: int, step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    t = torch.randint(0, VOCAB, (size, 9), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def strategy_config(name: str, overrides=()):
+    return build_config(overrides=[f'strategy.name="{name}"', "schedule.warmup_steps=0", *overrides])
+
+
+def run_strategy(comm, cfg, steps: int, lr: float = 1e-2, dtype: torch.dtype = torch.float32):
+    """Train one tiny replica per hosted worker; returns worker 0's final parameters and the ledger."""
+    models = [tiny_model(dtype) for _ in comm.local_ranks]
+    groups = [group_parameters(m) for m in models]
+    strategy = build_strategy(cfg, models, groups, comm)
+    for step in range(steps):
+        for model, rank in zip(models, comm.local_ranks):
+            x, y = batch(rank, step)
+            model(x, y)[1].backward()
+        strategy.step(lr)
+    strategy.finish()
+    return [p.detach().clone() for p in models[0].parameters()], comm.ledger.table()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, queue, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)  # plain bytes: shared-memory tensors would die with this process
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException as exc:  # report, do not hang the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> dict:
+    """Run ``fn(*args)`` in ``world`` fresh processes wired as a gloo group.
+
+    Returns {rank: (status, value)}: ("ok", result), ("error", traceback) or ("died", exit code)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+                continue
+            results[rank] = (status, torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else value)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for r, p in enumerate(procs):
+        results.setdefault(r, ("died", p.exitcode))
+    return results
+
+
+def gloo_strategy_worker(name: str, overrides, steps: int):
+    from lordo.comm.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator("gloo", timeout_s=60)
+    try:
+        return run_strategy(comm, strategy_config(name, overrides), steps)
+    finally:
+        comm.close()

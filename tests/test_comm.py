@@ -1,0 +1,233 @@
+"""Communicators, ledger, and the ddp / local-adam strategies against independent references."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
+from lordo.comm import Ledger, SimCommunicator
+from lordo.launch import WorkerFailed, launch_local
+from lordo.model import group_parameters
+from lordo.model.params import ParamGroup, ParamRule
+from lordo.strategies import build_strategy
+
+
+def test_sim_all_reduce_mean_and_broadcast_are_exact():
+    comm = SimCommunicator(3)
+    per_worker = [[torch.full((2, 2), float(r)), torch.tensor([r * 10.0])] for r in range(3)]
+    comm.all_reduce_mean(per_worker, tag="x")
+    for tensors in per_worker:
+        assert torch.equal(tensors[0], torch.full((2, 2), 1.0)) and torch.equal(tensors[1], torch.tensor([10.0]))
+    per_worker = [[torch.full((3,), float(r))] for r in range(3)]
+    comm.broadcast(per_worker, tag="y", src=2)
+    assert all(torch.equal(t[0], torch.full((3,), 2.0)) for t in per_worker)
+    assert comm.ledger.table() == {
+        "all_reduce:x": {"calls": 1, "bytes": 4 * 4 + 4, "tensors": 2},
+        "broadcast:y": {"calls": 1, "bytes": 12, "tensors": 1},
+    }
+
+
+def test_ledger_wall_clock_model_by_hand():
+    ledger = Ledger(world_size=4)
+    ledger.record("all_reduce", "g", 1_000_000, 1)
+    ledger.record("all_reduce", "g", 1_000_000, 1)
+    ledger.record("broadcast", "init", 500_000, 1)
+    bw = 1e9  # bits/s = 125 MB/s
+    expected = 2 * (1e-3 + 2 * 3 / 4 * 1e6 / 125e6) + (1e-3 + 5e5 / 125e6)
+    assert ledger.modeled_comm_s(bw, 1e-3) == pytest.approx(expected)
+    assert Ledger(world_size=1).modeled_comm_s(bw, 1e-3) == 0.0
+
+
+def adamw_reference(steps, lr, wd, betas=(0.9, 0.999), eps=1e-8):
+    """One worker, plain torch.optim.AdamW with the same parameter groups and clipping."""
+    model = tiny_model()
+    groups = group_parameters(model)
+    opt = torch.optim.AdamW(
+        [{"params": g.params, "weight_decay": wd if g.rule.weight_decay else 0.0} for g in groups],
+        lr=lr, betas=betas, eps=eps,
+    )
+    for step in range(steps):
+        x, y = batch(0, step)
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_ddp_one_worker_equals_plain_adamw():
+    params, _ = run_strategy(SimCommunicator(1), strategy_config("ddp"), steps=6)
+    for a, b in zip(params, adamw_reference(6, 1e-2, 0.1)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_m_workers_equals_one_worker_on_the_concatenated_batch():
+    # float64: Adam divides by sqrt(v), which magnifies fp32 rounding where gradients are near zero
+    params, _ = run_strategy(SimCommunicator(3), strategy_config("ddp"), steps=5, dtype=torch.float64)
+    model = tiny_model(torch.float64)
+    comm = SimCommunicator(1)
+    strategy = build_strategy(strategy_config("ddp"), [model], [group_parameters(model)], comm)
+    for step in range(5):
+        xs, ys = zip(*(batch(r, step) for r in range(3)))
+        model(torch.cat(xs), torch.cat(ys))[1].backward()
+        strategy.step(1e-2)
+    for a, b in zip(params, model.parameters()):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_local_adam_k1_with_averaged_moments_equals_hand_written_reference():
+    """K = 1, η_out = 1, both moments averaged every step: each step is "every worker takes one AdamW step
+    from the common (θ, m, v) with its own gradient; then θ, m and v are each replaced by their mean over
+    workers". The reference writes AdamW out by hand (no torch.optim)."""
+    M, steps, lr, wd, (b1, b2), eps = 3, 4, 1e-2, 0.1, (0.9, 0.999), 1e-8
+    cfg = strategy_config("local-adam", ["strategy.sync_every=1", "strategy.average_moments=all", "optim.grad_clip=0"])
+    params, ledger = run_strategy(SimCommunicator(M), cfg, steps, lr=lr)
+
+    model = tiny_model()
+    decay = [g.rule.weight_decay for g in group_parameters(model) for _ in g.params]
+    theta = [p.detach().clone() for g in group_parameters(model) for p in g.params]
+    m = [torch.zeros_like(t) for t in theta]
+    v = [torch.zeros_like(t) for t in theta]
+    for t in range(1, steps + 1):
+        new_theta, new_m, new_v = [], [], []
+        for r in range(M):
+            with torch.no_grad():
+                for p, value in zip((p for g in group_parameters(model) for p in g.params), theta):
+                    p.copy_(value)
+            model.zero_grad()
+            x, y = batch(r, t - 1)
+            model(x, y)[1].backward()
+            grads = [p.grad for g in group_parameters(model) for p in g.params]
+            mr = [b1 * mi + (1 - b1) * gi for mi, gi in zip(m, grads)]
+            vr = [b2 * vi + (1 - b2) * gi * gi for vi, gi in zip(v, grads)]
+            tr = []
+            for th, mi, vi, d in zip(theta, mr, vr, decay):
+                th = th * (1 - lr * wd) if d else th
+                denom = (vi / (1 - b2**t)).sqrt() + eps
+                tr.append(th - lr * (mi / (1 - b1**t)) / denom)
+            new_theta.append(tr), new_m.append(mr), new_v.append(vr)
+        theta = [sum(ts) / M for ts in zip(*new_theta)]
+        m = [sum(ts) / M for ts in zip(*new_m)]
+        v = [sum(ts) / M for ts in zip(*new_v)]
+    ordered = [p for g in group_parameters(tiny_model()) for p in g.params]
+    names = [n for n, _ in tiny_model().named_parameters()]
+    by_name = dict(zip([n for g in group_parameters(tiny_model()) for n in g.names], theta))
+    for name, p in zip(names, params):
+        torch.testing.assert_close(p, by_name[name], rtol=1e-5, atol=1e-6)
+    assert ledger["all_reduce:pseudo_gradient"]["calls"] == steps
+    assert len(ordered) == len(params)
+
+
+def test_local_adam_communicates_only_at_syncs():
+    cfg = strategy_config("local-adam", ["strategy.sync_every=4"])
+    model_list = [tiny_model() for _ in range(2)]
+    comm = SimCommunicator(2)
+    strategy = build_strategy(cfg, model_list, [group_parameters(m) for m in model_list], comm)
+    calls = []
+    for step in range(10):
+        for model, rank in zip(model_list, comm.local_ranks):
+            model(*batch(rank, step))[1].backward()
+        strategy.step(1e-2)
+        calls.append(comm.ledger.total_calls)
+    assert calls == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    strategy.finish()  # 10 is not a multiple of 4: one last sync so the workers end on one model
+    assert comm.ledger.total_calls == 3
+    for a, b in zip(model_list[0].parameters(), model_list[1].parameters()):
+        assert torch.equal(a, b)
+
+
+class Quadratic(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(5))
+
+    def loss(self, target):
+        return 0.5 * ((self.w - target) ** 2).sum()
+
+
+@pytest.mark.parametrize("outer", [["strategy.outer_lr=1.0"], ["strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"]])
+def test_outer_step_decreases_a_convex_quadratic(outer):
+    target = torch.tensor([1.0, -2.0, 3.0, 0.5, -1.0])
+    models = [Quadratic() for _ in range(2)]
+    groups = [[ParamGroup(ParamRule("all", ".*", weight_decay=False), ["w"], [m.w])] for m in models]
+    cfg = strategy_config("local-adam", ["strategy.sync_every=5", "optim.grad_clip=0", *outer])
+    comm = SimCommunicator(2)
+    strategy = build_strategy(cfg, models, groups, comm)
+    losses = [models[0].loss(target).item()]
+    for step in range(20):
+        for r, m in enumerate(models):
+            noisy = target + 0.1 * (r - 0.5)  # each worker sees a slightly different quadratic
+            m.loss(noisy).backward()
+        strategy.step(0.05)
+        if (step + 1) % 5 == 0:
+            losses.append(models[0].loss(target).item())
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    # the averaged pseudo-gradient points downhill: anchor moved towards the target
+    assert (strategy.anchor[0] * target).sum() > 0
+
+
+def test_ledger_bytes_equal_the_analytic_payload():
+    n = sum(p.numel() for p in tiny_model().parameters())
+    k = len(list(tiny_model().parameters()))  # 7 block matrices, 1 embedding, 3 norms
+    _, ledger = run_strategy(SimCommunicator(2), strategy_config("ddp"), steps=7)
+    assert ledger == {"all_reduce:gradient": {"calls": 7, "bytes": 7 * 4 * n, "tensors": 7 * k}}
+    cfg = strategy_config("local-adam", ["strategy.sync_every=3", "strategy.average_moments=all",
+                                         "strategy.sync_exp_avg_every=6"])
+    _, ledger = run_strategy(SimCommunicator(2), cfg, steps=7)
+    assert ledger["all_reduce:pseudo_gradient"] == {"calls": 3, "bytes": 3 * 4 * n, "tensors": 3 * k}
+    assert ledger["all_reduce:exp_avg"] == {"calls": 1, "bytes": 4 * n, "tensors": k}  # step 6
+    assert ledger["all_reduce:exp_avg_sq"] == {"calls": 2, "bytes": 2 * 4 * n, "tensors": 2 * k}  # syncs at 3, 6
+    _, ledger = run_strategy(SimCommunicator(2), strategy_config("local-adam", ["strategy.sync_every=3"]), steps=7)
+    assert set(ledger) == {"all_reduce:pseudo_gradient"}  # moments stay local by default
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name, overrides", [
+    ("ddp", []),
+    ("local-adam", ["strategy.sync_every=3", "strategy.average_moments=all"]),
+])
+def test_simulator_and_gloo_give_the_same_parameters(name, overrides, world):
+    steps = 7
+    sim_params, sim_ledger = run_strategy(SimCommunicator(world), strategy_config(name, overrides), steps)
+    results = run_gloo(gloo_strategy_worker, world, name, overrides, steps)
+    assert all(status == "ok" for status, _ in results.values()), results
+    for rank in range(world):
+        gloo_params, gloo_ledger = results[rank][1]
+        assert gloo_ledger == sim_ledger
+        for a, b in zip(sim_params, gloo_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _dying_worker():
+    from lordo.comm.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator("gloo", timeout_s=20)
+    if comm.rank == 1:
+        os._exit(3)  # dies without a word, like a killed process
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce_mean([[torch.ones(1000)]], tag="gradient")
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def test_a_dead_peer_makes_the_survivor_fail_fast_with_a_clear_error():
+    results = run_gloo(_dying_worker, 2, timeout=60)
+    status, (kind, message, seconds) = results[0]
+    assert kind == "CommError"
+    assert "worker 0: all_reduce failed; another worker probably died" in message
+    assert seconds < 25
+
+
+def test_launcher_stops_the_others_when_one_worker_dies():
+    code = "import os, time; r = int(os.environ['RANK']); time.sleep(0.5 if r == 1 else 120); raise SystemExit(3)"
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed, match="worker 1 of 3 exited with code 3; the other workers were stopped"):
+        launch_local([sys.executable, "-c", code], 3)
+    assert time.monotonic() - t0 < 30
