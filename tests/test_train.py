@@ -105,3 +105,19 @@ def test_cli_gloo_workers_match_the_simulator(data_dir, tmp_path):
     assert s_sim["comm_ratio_to_ddp"] == pytest.approx(4 / 13)
     rows = read_metrics(tmp_path / "sim")
     assert rows[-1]["comm_bytes"] == s_sim["comm_bytes_total"]
+
+
+def test_cli_lordo_run_logs_diagnostics_at_every_sync(data_dir, tmp_path):
+    out = tmp_path / "lordo"
+    assert main(["train", "--model", "nano", "--steps", "12", "--strategy", "lordo", "--workers", "2", "--rank", "4",
+                 "--omega", "0.9", "--sync-every", "4", "--data-dir", str(data_dir), "--out", str(out),
+                 "--set", "schedule.warmup_steps=2", "--set", "train.eval_batches=2", "--set", "train.log_every=5"]) == 0
+    rows = read_metrics(out)
+    syncs = [r for r in rows if "basis_overlap" in r]
+    assert [r["step"] for r in syncs] == [4, 8, 12]
+    assert all(0 <= r["basis_overlap"] <= 1 + 1e-6 and 0 <= r["residual_energy"] <= 1 for r in syncs)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["basis_overlap_mean"] == pytest.approx(sum(r["basis_overlap"] for r in syncs) / 3)
+    assert set(summary["optimizer_state_bytes"]) == {"lowrank_moments", "full_rank_moments", "bases", "error_feedback", "anchor"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["strategy"]["rank"] == 4 and config["strategy"]["omega"] == 0.9

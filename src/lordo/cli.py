@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from . import __version__
-from .errors import LordoError
+from .errors import LordoError, Stopped
 
 
 def _train(args: argparse.Namespace) -> int:
     from .comm.torch_dist import launched_by_torchrun
     from .config import build_config
+    from .errors import ConfigError
     from .launch import launch_local, worker_command
     from .train.loop import train
 
@@ -33,7 +36,19 @@ def _train(args: argparse.Namespace) -> int:
     ):
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag) if quote else flag}")
-    cfg = build_config(args.config, overrides)
+    tree = None
+    if args.resume:
+        saved = Path(args.resume) / "config.json"
+        try:
+            tree = {k: v for k, v in json.loads(saved.read_text()).items() if k != "derived"}
+        except FileNotFoundError:
+            raise ConfigError(f"--resume {args.resume}: no config.json there; is it the output folder of a run?") from None
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"--resume {args.resume}: {saved} is not a valid config ({exc})") from None
+        if args.out and Path(args.out) != Path(args.resume):
+            raise ConfigError("--resume DIR continues the run in DIR; leave out --out (or give the same folder)")
+        args.out = args.resume
+    cfg = build_config(args.config, overrides, tree=tree)
     if args.out:
         out = Path(args.out)
     else:
@@ -121,7 +136,16 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", metavar="FILE", help="TOML file with [section] tables of config keys")
     t.add_argument("--model", metavar="PRESET", help="model size preset: nano, micro, small, paper-16m")
     t.add_argument("--steps", type=int, metavar="N", help="optimizer steps (train.steps)")
-    t.add_argument("--out", metavar="DIR", help="output folder (default: runs/<preset>-<strategy>-<time>)")
+    t.add_argument(
+        "--out", metavar="DIR",
+        help="output folder (default: runs/<preset>-<strategy>-<time>); a folder holding a checkpoint of the same "
+        "settings is resumed",
+    )
+    t.add_argument(
+        "--resume", metavar="DIR",
+        help="continue the run in DIR from its newest intact checkpoint, with its saved settings (--set may change "
+        "train.steps and other fields that do not alter the run)",
+    )
     t.add_argument("--data-dir", metavar="DIR", help="data folder (data.dir, default ./data)")
     t.add_argument(
         "--strategy", metavar="NAME",
@@ -160,12 +184,19 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # `kill -USR1 PID` prints where a (hung) worker is
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no SIGUSR1 (Windows) or stderr without a file descriptor
+        pass
     parser = make_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
         return args.func(args)
+    except Stopped as exc:
+        print(f"lordo: {exc}", file=sys.stderr)
+        return exc.exit_code
     except LordoError as exc:
         print(f"lordo: error: {exc}", file=sys.stderr)
         return 2

@@ -108,6 +108,11 @@ class TrainConfig:
     device: str = _f("auto", "auto = cuda if available, else cpu", _choice("auto", "cpu", "cuda"))
     compile: bool = _f(False, "torch.compile the model")
     threads: int = _f(0, "torch intra-op threads; 0 = torch's default", _non_negative)
+    checkpoint_every: int = _f(250, "save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT); 0 = "
+                               "only then", _non_negative)
+    keep_checkpoints: int = _f(2, "how many of the newest checkpoints to keep", _positive)
+    on_nonfinite: str = _f("stop", "a NaN/inf loss on any worker: stop (naming the last good checkpoint) or skip "
+                           "the step on every worker", _choice("stop", "skip"))
 
 
 STRATEGY_NAMES = ("ddp", "local-adam", "lordo", "lordo-global-noqh", "lordo-local", "lowrank-ddp")
@@ -272,7 +277,10 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
                 f"{path}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
             )
         for name, value in body.items():
-            _set_in(tree, section, name, value)
+            try:
+                _set_in(tree, section, name, value)
+            except ConfigError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
     return tree
 
 

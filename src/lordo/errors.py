@@ -11,3 +11,15 @@ class ConfigError(LordoError, ValueError):
 
 class DataError(LordoError):
     """Corpus archives or prepared token files are missing or corrupt."""
+
+
+class NonFiniteError(LordoError):
+    """A loss or a pseudo-gradient is NaN or infinite."""
+
+
+class Stopped(LordoError):
+    """The run was stopped by a signal after saving a checkpoint; ``exit_code`` is 128 + the signal."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

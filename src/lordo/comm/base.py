@@ -70,6 +70,11 @@ class Communicator(ABC):
     @abstractmethod
     def _broadcast(self, per_worker: TensorLists, src: int) -> None: ...
 
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Control traffic, not in the ledger: each flag becomes true everywhere if it is true on any worker
+        (stop requests, non-finite losses), so that every process takes the same branch."""
+        return list(flags)
+
     @abstractmethod
     def barrier(self) -> None: ...
 

@@ -45,7 +45,7 @@ class TorchDistCommunicator(Communicator):
         self.timeout = _dt.timedelta(seconds=timeout_s)
         if not dist.is_initialized():
             try:
-                dist.init_process_group(backend, rank=rank, world_size=world, timeout=self.timeout)
+                dist.init_process_group(backend, store=self._store(rank, world), rank=rank, world_size=world, timeout=self.timeout)
             except Exception as exc:  # rendezvous failures come in several exception types
                 raise CommError(
                     f"could not join the process group as rank {rank} of {world} at "
@@ -58,6 +58,23 @@ class TorchDistCommunicator(Communicator):
     @property
     def is_node_main(self) -> bool:
         return int(os.environ.get("LOCAL_RANK", self.rank)) == 0
+
+    def _store(self, rank: int, world: int):
+        """The rendezvous key-value store, with keys private to this attempt.
+
+        Under torchrun the agent hosts the store and keeps it across restarts (--max-restarts); without a prefix
+        per attempt, a restarted group would read the dead attempt's addresses and hang connecting to them."""
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size=world,
+            is_master=not agent_hosts_store and rank == 0,
+            timeout=self.timeout,
+            wait_for_workers=False,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"lordo/attempt-{attempt}", store)
 
     def _run(self, what: str, fn, *args, **kwargs):
         try:
@@ -97,6 +114,12 @@ class TorchDistCommunicator(Communicator):
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+        self._run("agree", dist.all_reduce, t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)

@@ -51,6 +51,7 @@ class Strategy(ABC):
         self.models, self.groups, self.cfg, self.comm = models, groups, cfg, comm
         self.params = [[p for g in worker_groups for p in g.params] for worker_groups in groups]
         self.steps_done = 0
+        self.optimizers: list[torch.optim.Optimizer] = []  # one per hosted worker, set by the subclass
 
     def grads(self) -> list[list[torch.Tensor]]:
         out = []
@@ -70,12 +71,25 @@ class Strategy(ABC):
         """Bring the workers to one model at the end of training (a final sync if one is pending)."""
         return {}
 
-    @abstractmethod
+    # state: what every worker holds alike ("shared", saved once) and what each hosted worker holds alone
+    # ("workers", one entry per hosted worker: its optimizer's moments, bases, error feedback)
+
+    def shared_state(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done}
+
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        self.steps_done = int(state["steps_done"])
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors, numbers and strings only."""
+        return {"shared": self.shared_state(), "workers": [{"optimizer": opt.state_dict()} for opt in self.optimizers]}
 
-    @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_shared_state(state["shared"])
+        if len(state["workers"]) != len(self.optimizers):
+            raise ValueError(f"state holds {len(state['workers'])} workers, this process hosts {len(self.optimizers)}")
+        for opt, worker in zip(self.optimizers, state["workers"]):
+            opt.load_state_dict(worker["optimizer"])
 
     @abstractmethod
     def state_bytes(self) -> dict[str, int]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .base import Strategy, clip_gradients, make_adamw, tensor_bytes
 
 
@@ -25,14 +23,6 @@ class DDPStrategy(Strategy):
             opt.zero_grad(set_to_none=True)
         self.steps_done += 1
         return {"grad_norm": norms[0]}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_done = int(state["steps_done"])
-        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(s)
 
     def step_payload_bytes(self) -> int:
         return tensor_bytes(self.params[0])

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..errors import NonFiniteError
 from .base import Strategy, clip_gradients, make_adamw, tensor_bytes
 
 
@@ -88,6 +89,11 @@ class LocalUpdateStrategy(Strategy):
         pseudo = [[p.data for p in params] for params in self.params]
         self.comm.all_reduce_mean(pseudo, tag="pseudo_gradient")
         delta = pseudo[0]
+        if not all(bool(torch.isfinite(d).all()) for d in delta):
+            raise NonFiniteError(
+                f"the averaged pseudo-gradient is not finite at synchronisation {self.syncs + 1} (after optimizer "
+                f"step {self.steps_done})"
+            )
         stats = {"synced": 1.0, "pseudo_grad_norm": float(torch.nn.utils.get_total_norm(delta))}
         stats.update(self.after_average(delta))
         if self.momentum > 0:
@@ -106,19 +112,16 @@ class LocalUpdateStrategy(Strategy):
         self.syncs += 1
         return stats
 
-    def state_dict(self) -> dict[str, Any]:
+    def shared_state(self) -> dict[str, Any]:
         return {
             "steps_done": self.steps_done,
             "syncs": self.syncs,
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
             "anchor": [a.clone() for a in self.anchor],
             "outer_momentum": [b.clone() for b in self.outer_momentum],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_shared_state(self, state: dict[str, Any]) -> None:
         self.steps_done, self.syncs = int(state["steps_done"]), int(state["syncs"])
-        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(s)
         for a, s in zip(self.anchor, state["anchor"], strict=True):
             a.copy_(s)
         for b, s in zip(self.outer_momentum, state["outer_momentum"], strict=True):

@@ -148,16 +148,6 @@ class LoRDOStrategy(LocalUpdateStrategy):
     def optimizer_bytes(self) -> dict[str, int]:
         return self.optimizers[0].state_bytes()
 
-    def state_dict(self):
-        state = super().state_dict()
-        if self._local_grads is not None:  # only between the capture and the sync of one step; kept for completeness
-            state["local_grads"] = self._local_grads
-        return state
-
-    def load_state_dict(self, state) -> None:
-        super().load_state_dict(state)
-        self._local_grads = state.get("local_grads")
-
 
 class LoRDOGlobalNoQHStrategy(LoRDOStrategy):
     name = "lordo-global-noqh"

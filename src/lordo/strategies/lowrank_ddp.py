@@ -8,8 +8,6 @@ basis (top-r, moments rotated). There is no full-rank QH term (it would need the
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..optim import captured_energy, overlap
@@ -72,14 +70,6 @@ class LowRankDDPStrategy(Strategy):
             opt.zero_grad(set_to_none=True)
         self.steps_done += 1
         return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps_done = int(state["steps_done"])
-        for opt, s in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(s)
 
     def step_payload_bytes(self) -> int:
         return tensor_bytes(self.params[0])

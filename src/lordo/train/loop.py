@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -14,11 +16,12 @@ import torch
 
 from ..comm import make_communicator
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError, Stopped
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
 from ..model import GPT, GPTConfig, format_groups, group_parameters
 from ..strategies import build_strategy
+from .checkpoint import Checkpointer, config_differences
 from .schedule import lr_factor
 
 
@@ -100,6 +103,43 @@ def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, 
         comm.close()
 
 
+class _SignalFlag:
+    """Remembers SIGTERM/SIGINT so that the loop can finish the step, save a checkpoint and exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_SignalFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the checkpoint
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rewrite_metrics(path: Path, upto: int) -> None:
+    """Keep the rows of steps <= ``upto`` (those written after the checkpoint are redone on resume)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= upto:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break  # a row cut short by the crash, and everything after it
+    path.write_text("".join(k + "\n" for k in kept))
+
+
 def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> dict:
     t, d = cfg.train, cfg.dist
     if comm.world_size != d.workers and d.workers != 1:
@@ -134,8 +174,60 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
     val = eval_batches(data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
     tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
 
+    config_dict = cfg.to_dict()
+    checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
+    start, train_s, skipped = 0, 0.0, 0
+    resumed_window = (0.0, 0)
+    diagnostics: dict[str, list[float]] = {}
+    val_loss = float("nan")
+    def check_compatible(meta: dict) -> None:
+        problems = config_differences(meta["config"], config_dict)
+        if meta["world_size"] != comm.world_size:
+            problems.append(f"workers: {meta['world_size']} in the checkpoint, {comm.world_size} now")
+        if problems:
+            raise ConfigError(
+                f"{out} holds a checkpoint of a different run (step {meta['step']}); it differs in:\n  "
+                + "\n  ".join(problems)
+                + "\nuse another --out, or the checkpoint's settings (lordo train --resume DIR reads them)"
+            )
+
+    if checkpoints.has_checkpoint():
+        meta, shared, workers = checkpoints.load_latest(check_compatible)
+        for model, sampler, w in zip(models, samplers, workers, strict=True):
+            model.load_state_dict(w["model"])
+            sampler.load_state_dict(w["sampler"])
+        strategy.load_state_dict({"shared": shared["strategy"], "workers": [w["strategy"] for w in workers]})
+        comm.ledger.load_state_dict(shared["ledger"])
+        torch.set_rng_state(shared["rng"])
+        start, train_s, skipped = int(meta["step"]), float(shared["train_s"]), int(shared["skipped"])
+        diagnostics = {k: list(v) for k, v in shared["diagnostics"].items()}
+        val_loss = float(shared["val_loss"])
+        resumed_window = (float(shared["loss_window"][0]), int(shared["loss_window"][1]))
+        log(f"resuming from {checkpoints.latest_step_name()} at step {start}")
+
+    def save_checkpoint(step: int) -> Path:
+        shared_state = {
+            "strategy": strategy.shared_state(),
+            "ledger": comm.ledger.state_dict(),
+            "rng": torch.get_rng_state(),
+            "train_s": train_s,
+            "skipped": skipped,
+            "diagnostics": diagnostics,
+            "val_loss": val_loss,
+            "loss_window": [loss_sum, loss_n],  # the train_loss of the next metrics row averages over it
+        }
+        worker_states = strategy.state_dict()["workers"]
+        workers_state = [
+            {"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
+            for m, smp, ws in zip(models, samplers, worker_states)
+        ]
+        return checkpoints.save(step, config_dict, shared_state, workers_state)
+
+    def last_good() -> str:
+        return checkpoints.latest_step_name() or "none (no checkpoint was saved yet)"
+
     if main:
-        resolved = cfg.to_dict()
+        resolved = dict(config_dict)
         resolved["derived"] = {
             "vocab_size": data.vocab_size,
             "params": models[0].num_params(),
@@ -144,55 +236,90 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
             "communicator": type(comm).__name__,
         }
         _write_json(out / "config.json", resolved)
-        metrics = open(out / "metrics.jsonl", "w")
+        if start:
+            _rewrite_metrics(out / "metrics.jsonl", start)
+        metrics = open(out / "metrics.jsonl", "a" if start else "w")
     else:
         metrics = open(os.devnull, "w")
 
     progress = Progress(t.steps, stream, every=max(t.log_every, t.steps // 20))
-    val_loss = evaluate(models[0], val, device) if main else float("nan")
-    metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "comm_bytes": comm.ledger.total_bytes}) + "\n")
-    train_s = 0.0
-    wall0 = time.perf_counter()
-    loss_sum, loss_n = 0.0, 0
-    diagnostics: dict[str, list[float]] = {}
+    if start == 0:
+        val_loss = evaluate(models[0], val, device) if main else float("nan")
+        metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "comm_bytes": 0}) + "\n")
+    wall0, train_s_at_start = time.perf_counter(), train_s
+    loss_sum, loss_n = resumed_window
     try:
-        for step in range(1, t.steps + 1):
-            t0 = time.perf_counter()
-            lr = cfg.optim.lr * lr_factor(step - 1, t.steps, cfg.schedule)
-            losses = []
-            for forward, sampler in zip(forwards, samplers):
-                x, y = sampler.next()
-                _, loss = forward(x.to(device), y.to(device))
-                loss.backward()
-                losses.append(loss.item())
-            stats = strategy.step(lr)
-            if step == t.steps:
-                stats.update(strategy.finish())
-            train_s += time.perf_counter() - t0
-            loss_value = sum(losses) / len(losses)  # mean over the workers this process hosts
-            loss_sum, loss_n = loss_sum + loss_value, loss_n + 1
+        with _SignalFlag() as stop:
+            for step in range(start + 1, t.steps + 1):
+                t0 = time.perf_counter()
+                lr = cfg.optim.lr * lr_factor(step - 1, t.steps, cfg.schedule)
+                losses = []
+                for forward, sampler in zip(forwards, samplers):
+                    x, y = sampler.next()
+                    _, loss = forward(x.to(device), y.to(device))
+                    losses.append(loss.item())
+                    if math.isfinite(losses[-1]):
+                        loss.backward()
+                nonfinite, stop_requested = comm.agree([not all(map(math.isfinite, losses)), stop.signum is not None])
+                if nonfinite and t.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"the loss is not finite at step {step} (worker losses {losses}); last good checkpoint: "
+                        f"{last_good()}. Lower optim.lr, or set train.on_nonfinite=skip to skip such steps"
+                    )
+                if nonfinite:  # skip the step on every worker, keep the data position moving
+                    for m in models:
+                        m.zero_grad(set_to_none=True)
+                    skipped += 1
+                    stats: dict[str, float] = {"skipped_nonfinite": 1.0}
+                    log(f"step {step}: non-finite loss, step skipped on every worker ({skipped} so far)")
+                else:
+                    try:
+                        stats = strategy.step(lr)
+                        if step == t.steps:
+                            stats.update(strategy.finish())
+                    except NonFiniteError as exc:
+                        raise NonFiniteError(f"{exc}; last good checkpoint: {last_good()}") from None
+                train_s += time.perf_counter() - t0
+                finite = [v for v in losses if math.isfinite(v)]
+                loss_value = sum(finite) / len(finite) if finite else float("nan")  # mean over hosted workers
+                if finite:
+                    loss_sum, loss_n = loss_sum + loss_value, loss_n + 1
 
-            for key in ("basis_overlap", "residual_energy"):
-                if key in stats:
-                    diagnostics.setdefault(key, []).append(stats[key])
-            row: dict[str, Any] = {}
-            if step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats:
-                row = {"step": step, "tokens": step * tokens_per_step, "train_loss": loss_sum / loss_n, "lr": lr}
-                row.update(stats)
-                loss_sum, loss_n = 0.0, 0
-            evaluated = main and (step % t.eval_every == 0 or step == t.steps)
-            if evaluated:
-                # worker 0's model; it equals the global model at synchronisation steps and at the end
+                for key in ("basis_overlap", "residual_energy"):
+                    if key in stats:
+                        diagnostics.setdefault(key, []).append(stats[key])
+                row: dict[str, Any] = {}
+                if step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats:
+                    row = {"step": step, "tokens": step * tokens_per_step, "lr": lr}
+                    row["train_loss"] = loss_sum / loss_n if loss_n else float("nan")
+                    row.update(stats)
+                    loss_sum, loss_n = 0.0, 0
+                evaluated = main and (step % t.eval_every == 0 or step == t.steps)
+                if evaluated:
+                    # worker 0's model; it equals the global model at synchronisation steps and at the end
+                    val_loss = evaluate(models[0], val, device)
+                    row.update({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                if row:
+                    row["comm_bytes"] = comm.ledger.total_bytes
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                if main:
+                    tps = (step - start) * tokens_per_step / max(train_s - train_s_at_start, 1e-9)
+                    text = f"loss {loss_value:.3f}  lr {lr:.2e}  {tps:,.0f} tok/s"
+                    progress.update(step, text + (f"  val_ppl {math.exp(val_loss):.1f}" if evaluated else ""), force=evaluated)
+                periodic = t.checkpoint_every and step % t.checkpoint_every == 0
+                if periodic or step == t.steps or stop_requested:
+                    metrics.flush()
+                    saved = save_checkpoint(step)
+                if stop_requested and step < t.steps:
+                    name = signal.Signals(stop.signum).name if stop.signum else "a signal on another worker"
+                    raise Stopped(
+                        f"stopped by {name} after step {step}; checkpoint saved to {saved}. "
+                        f"Continue with: lordo train --resume {out}",
+                        128 + (stop.signum or signal.SIGTERM),
+                    )
+            if start >= t.steps and main:  # resumed a finished run: evaluate the final model again
                 val_loss = evaluate(models[0], val, device)
-                row.update({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
-            if row:
-                row["comm_bytes"] = comm.ledger.total_bytes
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-            if main:
-                tps = step * tokens_per_step / train_s
-                text = f"loss {loss_value:.3f}  lr {lr:.2e}  {tps:,.0f} tok/s"
-                progress.update(step, text + (f"  val_ppl {math.exp(val_loss):.1f}" if evaluated else ""), force=evaluated)
     finally:
         metrics.close()
 
@@ -228,6 +355,8 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
             f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) for bw in cfg.comm.bandwidths_gbit
         },
         "latency_s": cfg.comm.latency_s,
+        "skipped_steps": skipped,
+        "resumed_from_step": start,
         "out_dir": str(out),
     }
     for key, values in diagnostics.items():

@@ -1,0 +1,294 @@
+"""Nothing lost: checkpoints, resume, signals, worker failure and bad input."""
+
+import errno
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import lordo.train.checkpoint as ckpt_module
+from lordo.cli import main
+from lordo.config import build_config
+from lordo.errors import ConfigError, NonFiniteError
+from lordo.train.checkpoint import CheckpointError, Checkpointer, _load_tensor_file
+from lordo.train.loop import train
+
+BASE = ["model.preset=nano", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=7",
+        "schedule.warmup_steps=2", "dist.workers=2", "strategy.sync_every=4", "strategy.rank=4",
+        "train.checkpoint_every=5", "train.log_every=3"]
+
+
+def cfg_for(data_dir, strategy, steps=14, extra=()):
+    return build_config(overrides=[*BASE, f'strategy.name="{strategy}"', f"train.steps={steps}",
+                                   f"data.dir={json.dumps(str(data_dir))}", *extra])
+
+
+def quiet_train(cfg, out):
+    return train(cfg, out, log=lambda _: None, stream=open(os.devnull, "w"))
+
+
+def model_of(out):
+    return torch.load(Path(out) / "model.pt", weights_only=True)
+
+
+def metrics_of(out):
+    return Path(out, "metrics.jsonl").read_text()
+
+
+def assert_same_model(a, b, exact=True):
+    ma, mb = model_of(a), model_of(b)
+    for k in ma:
+        if exact:
+            assert torch.equal(ma[k], mb[k]), k
+        else:
+            torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6)
+
+
+def rewind(src, dst, keep_step):
+    """A copy of a finished run that stopped after ``keep_step`` (later checkpoints and results removed)."""
+    shutil.copytree(src, dst)
+    for d in Path(dst, "checkpoints").iterdir():
+        if int(d.name.split("-")[1]) > keep_step:
+            shutil.rmtree(d)
+    for f in ("model.pt", "summary.json"):
+        Path(dst, f).unlink()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "local-adam", "lordo"])
+def test_resume_between_syncs_equals_uninterrupted_bitwise(data_dir, tmp_path, strategy):
+    cfg = cfg_for(data_dir, strategy)
+    full = tmp_path / "full"
+    quiet_train(cfg, full)
+    assert sorted(d.name for d in (full / "checkpoints").iterdir()) == ["step-00000010", "step-00000014"]
+    rewind(full, tmp_path / "resumed", keep_step=10)  # step 10: between the syncs at 8 and 12
+    summary = quiet_train(cfg, tmp_path / "resumed")
+    assert summary["resumed_from_step"] == 10
+    assert_same_model(full, tmp_path / "resumed")
+    assert metrics_of(full) == metrics_of(tmp_path / "resumed")
+    full_summary = json.loads((full / "summary.json").read_text())
+    for key in ("val_loss", "comm_bytes_total", "comm_by_collective", "optimizer_state_bytes"):
+        assert summary[key] == full_summary[key]
+
+
+def test_resume_on_gloo_equals_uninterrupted(data_dir, tmp_path):
+    args = ["train", "--model", "nano", "--steps", "14", "--strategy", "lordo", "--workers", "2", "--backend", "gloo",
+            "--data-dir", str(data_dir)] + sum((["--set", s] for s in BASE if not s.startswith(("model.", "dist."))), [])
+    run = lambda out: subprocess.run([sys.executable, "-m", "lordo.cli", *args, "--out", str(out)],
+                                     capture_output=True, text=True, timeout=300)
+    done = run(tmp_path / "full")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rewind(tmp_path / "full", tmp_path / "resumed", keep_step=10)
+    done = run(tmp_path / "resumed")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming from" in done.stderr + done.stdout
+    assert_same_model(tmp_path / "full", tmp_path / "resumed", exact=False)
+
+
+def test_sigterm_saves_then_resume_finishes_identically(data_dir, tmp_path):
+    cli = [sys.executable, "-m", "lordo.cli", "train", "--model", "nano", "--steps", "400", "--strategy", "local-adam",
+           "--data-dir", str(data_dir)] + sum((["--set", s] for s in BASE if not s.startswith("model.")), [])
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*cli, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until training is under way
+        if (out / "metrics.jsonl").exists() and len(metrics_of(out).splitlines()) > 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM after step" in err and "lordo train --resume" in err
+    stopped_at = int(err.split("after step ")[1].split(";")[0])
+    assert 0 < stopped_at < 400
+    assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "meta.json").exists()
+    assert main(["train", "--resume", str(out), "--set", "train.steps=400"]) == 0
+    full = tmp_path / "full"
+    assert subprocess.run([*cli, "--out", str(full)], capture_output=True).returncode == 0
+    assert_same_model(full, out)
+
+
+def _children(pid):
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(data_dir, tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    train_args = ["-m", "lordo.cli", "train", "--model", "nano", "--steps", "150", "--strategy", "lordo",
+                  "--data-dir", str(data_dir)] + sum((["--set", s] for s in BASE if not s.startswith(("model.", "dist."))), [])
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                             *train_args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "checkpoints" / "step-00000010").exists():
+        time.sleep(0.05)
+    workers = [c for c in _children(proc.pid)]
+    assert len(workers) == 2, "torchrun should run two worker processes"
+    os.kill(workers[1], signal.SIGKILL)
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert "resuming from" in log
+    reference = tmp_path / "reference"
+    # torchrun runs each worker on one thread; so does the reference, for the same float reduction order
+    assert main(["train", *train_args[3:], "--workers", "2", "--backend", "sim", "--set", "train.threads=1",
+                 "--out", str(reference)]) == 0
+    assert_same_model(reference, out, exact=False)
+
+
+def test_corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous(data_dir, tmp_path):
+    cfg = cfg_for(data_dir, "lordo")
+    quiet_train(cfg, tmp_path / "full")
+    for damage in ("flip", "truncate"):
+        run = tmp_path / damage
+        rewind(tmp_path / "full", run, keep_step=14)
+        victim = run / "checkpoints" / "step-00000014" / "worker-00001.pt"
+        raw = victim.read_bytes()
+        victim.write_bytes(raw[:-1] + bytes([raw[-1] ^ 1]) if damage == "flip" else raw[: len(raw) // 2])
+        with pytest.warns(RuntimeWarning, match=r"step-00000014/worker-00001.pt is corrupt or truncated"):
+            summary = quiet_train(cfg, run)
+        assert summary["resumed_from_step"] == 10
+        assert_same_model(tmp_path / "full", run)
+        # the earlier checkpoint was only read: still intact
+        Checkpointer(run, type("C", (), {"local_ranks": [0, 1]})(), 2).load_latest()
+
+
+def test_every_checkpoint_damaged_is_a_clear_error(data_dir, tmp_path):
+    cfg = cfg_for(data_dir, "ddp", steps=6)
+    quiet_train(cfg, tmp_path)
+    for f in (tmp_path / "checkpoints").glob("*/shared.pt"):
+        f.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match=r"every checkpoint is damaged: .*shared.pt is corrupt"):
+        quiet_train(cfg, tmp_path)
+
+
+def test_resume_with_different_settings_is_refused_with_the_differences(data_dir, tmp_path):
+    quiet_train(cfg_for(data_dir, "lordo", steps=6), tmp_path)
+    with pytest.raises(ConfigError, match=r"(?s)holds a checkpoint of a different run.*model.d_model: 32 in the checkpoint, 48 now"
+                                          r".*strategy.name: 'lordo' in the checkpoint, 'ddp' now"):
+        quiet_train(cfg_for(data_dir, "ddp", steps=6, extra=["model.d_model=48"]), tmp_path)
+    with pytest.raises(ConfigError, match=r"workers: 2 in the checkpoint, 3 now"):
+        quiet_train(cfg_for(data_dir, "lordo", steps=6, extra=["dist.workers=3"]), tmp_path)
+    # more steps is a legitimate change: the run continues
+    assert quiet_train(cfg_for(data_dir, "lordo", steps=8), tmp_path)["resumed_from_step"] == 6
+
+
+def nan_at(monkeypatch, call):
+    """Make the n-th forward pass (1-based, counting every worker) return a NaN loss."""
+    from lordo.model.gpt import GPT
+
+    original, calls = GPT.forward, {"n": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = original(self, idx, targets)
+        if targets is not None and self.training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def test_nan_loss_stops_naming_the_step_and_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
+    nan_at(monkeypatch, call=2 * 7 + 2)  # step 8, worker 1
+    with pytest.raises(NonFiniteError, match=r"loss is not finite at step 8 .*last good checkpoint: .*step-00000005"):
+        quiet_train(cfg_for(data_dir, "local-adam"), tmp_path)
+    Checkpointer(tmp_path, type("C", (), {"local_ranks": [0, 1]})(), 2).load_latest()
+
+
+def test_nan_loss_can_be_skipped(data_dir, tmp_path, monkeypatch):
+    nan_at(monkeypatch, call=2 * 3 + 1)
+    summary = quiet_train(cfg_for(data_dir, "lordo", extra=["train.on_nonfinite=skip"]), tmp_path)
+    assert summary["skipped_steps"] == 1
+    rows = [json.loads(line) for line in metrics_of(tmp_path).splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["val_loss"])) for r in rows if "val_loss" in r)
+
+
+def test_nonfinite_pseudo_gradient_stops_at_the_sync(data_dir, tmp_path, monkeypatch):
+    from lordo.strategies.local_adam import LocalUpdateStrategy
+
+    original = LocalUpdateStrategy.synchronise
+
+    def synchronise(self):
+        if self.syncs == 1:  # worker 1 arrives at the second sync with a poisoned parameter
+            with torch.no_grad():
+                self.params[1][0].view(-1)[0] = float("inf")
+        return original(self)
+
+    monkeypatch.setattr(LocalUpdateStrategy, "synchronise", synchronise)
+    with pytest.raises(NonFiniteError, match=r"pseudo-gradient is not finite at synchronisation 2 \(after optimizer step 8\)"
+                                             r".*last good checkpoint: .*step-00000005"):
+        quiet_train(cfg_for(data_dir, "lordo"), tmp_path)
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):
+    original, calls = ckpt_module.atomic_write, {"n": 0}
+
+    def failing(path, data):
+        if "step-00000010" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(path, data)
+
+    monkeypatch.setattr(ckpt_module, "atomic_write", failing)
+    with pytest.raises(CheckpointError, match=r"could not save the checkpoint of step 10 .*No space left on device; "
+                                              r"the previous checkpoint .*step-00000005 is intact"):
+        quiet_train(cfg_for(data_dir, "lordo"), tmp_path)
+    assert [d.name for d in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
+    monkeypatch.setattr(ckpt_module, "atomic_write", original)
+    assert quiet_train(cfg_for(data_dir, "lordo"), tmp_path)["resumed_from_step"] == 5
+
+
+def test_fuzzed_checkpoint_files_and_config_files_give_clear_errors(tmp_path):
+    rng = random.Random(0)
+    path = tmp_path / "x.pt"
+    from io import BytesIO
+
+    buf = BytesIO()
+    torch.save({"model": {"w": torch.ones(3)}, "step": 3}, buf)
+    valid = buf.getvalue()
+    errors = 0
+    for i in range(60):
+        kind = i % 3
+        if kind == 0:
+            data = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 300)))
+        elif kind == 1:
+            data = valid[: rng.randint(0, len(valid) - 1)]
+        else:
+            data = bytearray(valid)
+            for _ in range(4):
+                data[rng.randrange(len(data))] = rng.getrandbits(8)
+            data = bytes(data)
+        path.write_bytes(data)
+        # a matching checksum, so the bytes themselves reach torch.load
+        path.with_name("x.pt.sha256").write_text(hashlib.sha256(data).hexdigest())
+        try:  # anything but a CheckpointError naming the file (or a clean load) fails the test
+            _load_tensor_file(path)
+        except CheckpointError as exc:
+            assert str(path) in str(exc)
+            errors += 1
+    assert errors >= 40
+    config, errors = tmp_path / "c.toml", 0
+    for i in range(60):
+        config.write_bytes(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200))))
+        try:
+            build_config(config)
+        except ConfigError as exc:
+            assert str(config) in str(exc)
+            errors += 1
+    assert errors >= 55
