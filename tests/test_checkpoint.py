@@ -238,7 +238,7 @@ def test_nonfinite_pseudo_gradient_stops_at_the_sync(data_dir, tmp_path, monkeyp
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch):
-    original, calls = ckpt_module.atomic_write, {"n": 0}
+    original = ckpt_module.atomic_write
 
     def failing(path, data):
         if "step-00000010" in str(path):

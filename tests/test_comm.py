@@ -1,8 +1,6 @@
 """Communicators, ledger, and the ddp / local-adam strategies against independent references."""
 
-import math
 import os
-import subprocess
 import sys
 import time
 

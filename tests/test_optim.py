@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lordo.optim import (LowRankQHAdam, back_project, captured_energy, overlap, project, project_with_feedback,
+from lordo.optim import (LowRankQHAdam, back_project, captured_energy, project, project_with_feedback,
                          rotate_moments, side_of, subspace_iteration_basis, svd_basis)
 
 
@@ -243,3 +243,14 @@ def test_optimizer_package_never_imports_torch_distributed():
         assert not re.search(r"^\s*(import|from)\s+torch\.distributed|^\s*from\s+torch\s+import\s+.*\bdistributed\b",
                              code, flags=re.M), f
         assert "dist." not in code, f
+
+
+def test_overlap_by_hand():
+    from lordo.optim import overlap
+
+    e = torch.eye(4)
+    assert overlap(e[:, :2], e[:, :2]) == pytest.approx(1.0)
+    assert overlap(e[:, :2], e[:, 2:]) == pytest.approx(0.0)
+    assert overlap(e[:, [0, 2]], e[:, :2]) == pytest.approx(0.5)  # one shared direction of two
+    rotated = e[:, :2] @ torch.tensor([[0.6, -0.8], [0.8, 0.6]])
+    assert overlap(rotated, e[:, :2]) == pytest.approx(1.0)  # same subspace, other basis

@@ -62,6 +62,19 @@ class Strategy(ABC):
             out.append([p.grad for p in params])
         return out
 
+    def clip_and_step(self, lr: float) -> list[float]:
+        """Clip each hosted worker's gradient, take one step of its optimizer at ``lr``, clear the gradients.
+
+        Returns the gradient norms before clipping."""
+        norms = [clip_gradients(params, self.cfg.optim.grad_clip) for params in self.params]
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return norms
+
     @abstractmethod
     def step(self, lr: float) -> dict[str, float]:
         """One optimizer step of every hosted worker from its ``.grad`` at learning rate ``lr``, including any

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Strategy, clip_gradients, make_adamw, tensor_bytes
+from .base import Strategy, make_adamw, tensor_bytes
 
 
 class DDPStrategy(Strategy):
@@ -15,13 +15,7 @@ class DDPStrategy(Strategy):
     def step(self, lr: float) -> dict[str, float]:
         self.comm.all_reduce_mean(self.grads(), tag="gradient")
         # every worker now holds the same averaged gradient, so clipping and AdamW agree everywhere
-        norms = [clip_gradients(params, self.cfg.optim.grad_clip) for params in self.params]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        norms = self.clip_and_step(lr)
         return {"grad_norm": norms[0]}
 
     def step_payload_bytes(self) -> int:

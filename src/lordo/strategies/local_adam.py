@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import NonFiniteError
-from .base import Strategy, clip_gradients, make_adamw, tensor_bytes
+from .base import Strategy, make_adamw, tensor_bytes
 
 
 class LocalUpdateStrategy(Strategy):
@@ -52,13 +52,7 @@ class LocalUpdateStrategy(Strategy):
 
     def step(self, lr: float) -> dict[str, float]:
         stats = self.before_local_step()
-        norms = [clip_gradients(params, self.cfg.optim.grad_clip) for params in self.params]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        self.steps_done += 1
+        norms = self.clip_and_step(lr)
         stats["grad_norm"] = norms[0]
         sync_due = self.steps_done % self.sync_every == 0
         self.average_moments(sync_due)

@@ -22,7 +22,6 @@ import torch
 from ..errors import ConfigError
 from ..model.params import ParamGroup
 from ..optim import LowRankQHAdam, captured_energy, overlap, svd_basis
-from .base import tensor_bytes
 from .local_adam import LocalUpdateStrategy
 
 
