@@ -53,6 +53,8 @@ class Communicator(ABC):
     def all_reduce_mean(self, per_worker: TensorLists, tag: str) -> None:
         """Replace each worker's tensors, in place, by their mean over all workers."""
         first = self._check(per_worker)
+        if self.world_size == 1:  # nothing to exchange, nothing to count
+            return
         t0 = time.perf_counter()
         self._all_reduce_mean(per_worker)
         self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
@@ -60,6 +62,8 @@ class Communicator(ABC):
     def broadcast(self, per_worker: TensorLists, tag: str, src: int = 0) -> None:
         """Replace each worker's tensors, in place, by worker ``src``'s."""
         first = self._check(per_worker)
+        if self.world_size == 1:
+            return
         t0 = time.perf_counter()
         self._broadcast(per_worker, src)
         self.ledger.record("broadcast", tag, payload_bytes(first), len(first), time.perf_counter() - t0)

@@ -325,7 +325,9 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
 
     steps_done = t.steps
     ledger = comm.ledger
-    ddp_bytes = steps_done * strategy.step_payload_bytes() + ledger.entries["broadcast:init"].bytes
+    init = ledger.entries.get("broadcast:init")
+    # what ddp would send over the same steps (plus the same initial broadcast); nothing with one worker
+    ddp_bytes = (steps_done * strategy.step_payload_bytes() + (init.bytes if init else 0)) if comm.world_size > 1 else 0
     compute_s = max(0.0, train_s - ledger.comm_s) / len(comm.local_ranks)  # per worker
     summary = {
         "strategy": cfg.strategy.name,
@@ -348,7 +350,7 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         "comm_calls": ledger.total_calls,
         "comm_by_collective": ledger.table(),
         "ddp_comm_bytes": ddp_bytes,
-        "comm_ratio_to_ddp": ledger.total_bytes / ddp_bytes,
+        "comm_ratio_to_ddp": ledger.total_bytes / ddp_bytes if ddp_bytes else None,
         "compute_s_per_worker": compute_s,
         "measured_comm_s": ledger.comm_s,
         "modeled_wall_s": {
