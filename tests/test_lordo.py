@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from harness import batch, run_gloo, run_strategy, strategy_config, tiny_model
+from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
 from lordo.comm import SimCommunicator
 from lordo.errors import ConfigError
 from lordo.model import group_parameters
@@ -76,23 +76,10 @@ def test_global_projection_without_qh_stagnates_and_qh_cures_it():
     assert min(residual) > 1e-3
 
 
-def gloo_lordo_worker(name, overrides, steps):
-    from harness import run_strategy as run
-    from lordo.comm.torch_dist import TorchDistCommunicator
-
-    comm = TorchDistCommunicator("gloo", timeout_s=60)
-    try:
-        cfg = strategy_config(name, [*LOWRANK, *overrides])
-        params, ledger = run(comm, cfg, steps)
-        return params, ledger
-    finally:
-        comm.close()
-
-
 @pytest.mark.parametrize("name", ["lordo", "lowrank-ddp"])
 def test_simulator_and_gloo_give_the_same_trajectory(name):
     sim_params, sim_ledger = run_strategy(SimCommunicator(2), strategy_config(name, LOWRANK), steps=8)
-    results = run_gloo(gloo_lordo_worker, 2, name, [], 8)
+    results = run_gloo(gloo_strategy_worker, 2, name, LOWRANK, 8)
     assert all(status == "ok" for status, _ in results.values()), results
     for rank in range(2):
         params, ledger = results[rank][1]
