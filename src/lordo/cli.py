@@ -84,6 +84,22 @@ def _print_summary(s: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from .experiments.sweep import load_sweep, run_sweep
+
+    sweep = load_sweep(args.file, args.out)
+    points = sweep.points()
+    if args.dry_run:
+        for p in points:
+            print(f"{sweep.out / p.name}: {' '.join(p.overrides) or '(base)'}")
+        return 0
+    index = run_sweep(sweep)
+    failed = [p["name"] for p in index["points"] if p["status"] == "failed"]
+    print(f"sweep {sweep.name}: {len(points) - len(failed)} of {len(points)} points done, results in {sweep.out}"
+          + (f"; failed: {', '.join(failed)} (see failed.json in each)" if failed else ""))
+    return 1 if failed else 0
+
+
 def _data_fetch(args: argparse.Namespace) -> int:
     from .data.corpus import fetch
 
@@ -160,6 +176,16 @@ def make_parser() -> argparse.ArgumentParser:
         "--set", action="append", metavar="KEY=VALUE", help="override one config key, e.g. --set optim.lr=3e-3 (repeatable)"
     )
     t.set_defaults(func=_train)
+
+    sw = sub.add_parser(
+        "sweep",
+        help="run a grid of training runs from a sweep file; finished points are skipped, failures recorded",
+        description="Run every point of a sweep file ([sweep], [base.SECTION], [grid]) as its own training run.",
+    )
+    sw.add_argument("file", metavar="FILE.toml", help="the sweep file")
+    sw.add_argument("--out", metavar="DIR", help="results folder (default: results/<sweep name>)")
+    sw.add_argument("--dry-run", action="store_true", help="list the points and their settings, run nothing")
+    sw.set_defaults(func=_sweep)
 
     d = sub.add_parser("data", help="fetch the corpus archives, prepare token files, show dataset info")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -267,11 +267,18 @@ def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     try:
-        raw = tomllib.loads(text)
+        # JSON is accepted too (a run's config.json, a sweep's base.json); TOML is the format for people
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a table of [section] tables")
     tree: dict[str, dict[str, Any]] = {}
     for section, body in raw.items():
+        if section == "derived" and path.suffix == ".json":
+            continue  # what a run computed (config.json); not settings
         if not isinstance(body, dict):
             raise ConfigError(
                 f"{path}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"

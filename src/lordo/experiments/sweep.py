@@ -1,0 +1,136 @@
+"""Sweeps: a grid of config overrides over a base config, each point one ``lordo train`` run.
+
+A sweep file (TOML)::
+
+    [sweep]
+    name = "stagnation"              # results go to results/<name> unless --out is given
+    base_config = "configs/demo.toml"  # optional; [base] tables are applied on top of it
+
+    [base.train]
+    steps = 200
+
+    [grid]
+    "strategy.name" = ["ddp", "lordo"]
+    "strategy.rank" = [8, 32]
+    "train.seed" = [0, 1]
+
+Points are the cartesian product of the grid, in file order. Each runs in its own process (a crash
+cannot take the sweep down) into ``<out>/<point>/``; a point whose ``summary.json`` exists is skipped, so
+an interrupted sweep resumes (and a point interrupted mid-run resumes from its own checkpoint). A failed
+point leaves ``failed.json`` with its exit code and the end of its error output, and the sweep goes on.
+``<out>/sweep.json`` indexes every point and its status.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import build_config, load_toml, tomllib
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str  # folder name, e.g. "name-lordo__rank-8__seed-0"
+    overrides: tuple[str, ...]  # --set arguments, e.g. ('strategy.name="lordo"', 'strategy.rank=8')
+    values: dict[str, Any]
+
+
+@dataclass
+class Sweep:
+    name: str
+    out: Path
+    base: dict[str, dict[str, Any]]
+    grid: dict[str, list[Any]]
+
+    def points(self) -> list[Point]:
+        keys = list(self.grid)
+        out = []
+        for combo in itertools.product(*(self.grid[k] for k in keys)):
+            values = dict(zip(keys, combo))
+            name = "__".join(f"{k.split('.')[-1]}-{_slug(v)}" for k, v in values.items()) or "base"
+            overrides = tuple(f"{k}={json.dumps(v)}" for k, v in values.items())
+            out.append(Point(name, overrides, values))
+        return out
+
+
+def _slug(value: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(value)).strip("_") or "x"
+
+
+def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"sweep file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"sweep file {path} cannot be read as TOML: {exc}") from None
+    unknown = set(raw) - {"sweep", "base", "grid"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown tables {sorted(unknown)}; a sweep file has [sweep], [base.*] and [grid]")
+    meta = raw.get("sweep", {})
+    name = meta.get("name", path.stem)
+    base: dict[str, dict[str, Any]] = {}
+    if "base_config" in meta:
+        base_path = (path.parent / meta["base_config"]) if not Path(meta["base_config"]).is_absolute() else Path(meta["base_config"])
+        if not base_path.exists():
+            base_path = Path(meta["base_config"])  # relative to the working directory
+        base = load_toml(base_path)
+    for section, body in raw.get("base", {}).items():
+        if not isinstance(body, dict):
+            raise ConfigError(f"{path}: [base.{section}] must be a table of config keys")
+        base.setdefault(section, {}).update(body)
+    grid = raw.get("grid", {})
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"{path}: grid key {key!r} must list at least one value, got {values!r}")
+    sweep = Sweep(name, Path(out) if out else Path("results") / name, base, grid)
+    for point in sweep.points():  # every point must be a valid configuration before anything runs
+        try:
+            build_config(tree=base, overrides=point.overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: point {point.name}: {exc}") from None
+    return sweep
+
+
+def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list[str] | None = None) -> dict:
+    """Run every point not done yet; returns (and writes to sweep.json) the index of points and statuses."""
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    base_file = sweep.out / "base.json"
+    base_file.write_text(json.dumps(sweep.base, indent=2) + "\n")
+    points = sweep.points()
+    index = {"name": sweep.name, "grid": sweep.grid, "base": sweep.base, "points": []}
+    for i, point in enumerate(points, 1):
+        folder = sweep.out / point.name
+        entry = {"name": point.name, "values": point.values, "dir": str(folder)}
+        if (folder / "summary.json").exists():
+            entry["status"] = "done"
+            log(f"[{i}/{len(points)}] {point.name}: already done")
+        else:
+            log(f"[{i}/{len(points)}] {point.name}: running")
+            (folder / "failed.json").unlink(missing_ok=True)
+            cmd = [sys.executable, "-m", "lordo.cli", "train", "--config", str(base_file), "--out", str(folder)]
+            for o in point.overrides:
+                cmd += ["--set", o]
+            cmd += list(extra_args or [])
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0 and (folder / "summary.json").exists():
+                entry["status"] = "done"
+            else:
+                folder.mkdir(parents=True, exist_ok=True)
+                failure = {"returncode": done.returncode, "stderr": done.stderr[-4000:], "command": cmd}
+                (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
+                entry["status"] = "failed"
+                last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+                log(f"    failed (exit {done.returncode}): {last}")
+        index["points"].append(entry)
+        (sweep.out / "sweep.json").write_text(json.dumps(index, indent=2) + "\n")
+    return index

@@ -1,0 +1,67 @@
+"""Sweeps: grid expansion, resume after interruption, failed points recorded."""
+
+import json
+
+import pytest
+
+from lordo.errors import ConfigError
+from lordo.experiments.sweep import load_sweep, run_sweep
+
+NANO_BASE = """
+[base.model]
+preset = "nano"
+[base.train]
+steps = 3
+batch_size = 4
+eval_batches = 2
+[base.schedule]
+warmup_steps = 1
+[base.data]
+dir = "{data}"
+"""
+
+
+def write(tmp_path, text):
+    f = tmp_path / "s.toml"
+    f.write_text(text)
+    return f
+
+
+def test_grid_expands_in_file_order(tmp_path):
+    f = write(tmp_path, '[sweep]\nname = "g"\n[grid]\n"strategy.name" = ["ddp", "lordo"]\n"strategy.rank" = [8, 16]\n'
+                        '"train.seed" = [0, 1]\n')
+    sweep = load_sweep(f)
+    points = sweep.points()
+    assert len(points) == 8
+    assert [p.name for p in points[:3]] == ["name-ddp__rank-8__seed-0", "name-ddp__rank-8__seed-1", "name-ddp__rank-16__seed-0"]
+    assert points[-1].overrides == ('strategy.name="lordo"', "strategy.rank=16", "train.seed=1")
+    assert str(sweep.out).endswith("results/g")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[grid]\n"optim.learning_rate" = [1]\n', r"point learning_rate-1: unknown config key optim.'learning_rate'"),
+    ('[grid]\n"optim.lr" = []\n', r"grid key 'optim.lr' must list at least one value"),
+    ('[grids]\n', r"unknown tables \['grids'\]"),
+    ('[grid]\n"optim.lr" = [-1.0]\n', r"optim.lr must be > 0"),
+])
+def test_bad_sweep_files_fail_before_running(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(write(tmp_path, text))
+
+
+def test_failed_point_is_recorded_the_sweep_goes_on_and_a_rerun_skips_done_points(tmp_path, data_dir):
+    # rank 64 is larger than nano's 32×32 matrices: that point fails at start-up; rank 4 trains
+    f = write(tmp_path, NANO_BASE.format(data=data_dir) + '[grid]\n"strategy.name" = ["lordo"]\n"strategy.rank" = [64, 4]\n')
+    sweep = load_sweep(f, tmp_path / "out")
+    index = run_sweep(sweep, log=lambda _: None)
+    assert [p["status"] for p in index["points"]] == ["failed", "done"]
+    failed = json.loads((tmp_path / "out" / "name-lordo__rank-64" / "failed.json").read_text())
+    assert failed["returncode"] == 2 and "strategy.rank must be in [1, 32]" in failed["stderr"]
+    summary = tmp_path / "out" / "name-lordo__rank-4" / "summary.json"
+    assert json.loads(summary.read_text())["steps"] == 3
+    stamp = summary.stat().st_mtime_ns
+    logged = []
+    index = run_sweep(load_sweep(f, tmp_path / "out"), log=logged.append)
+    assert summary.stat().st_mtime_ns == stamp  # not rerun
+    assert "[2/2] name-lordo__rank-4: already done" in logged
+    assert [p["status"] for p in json.loads((tmp_path / "out" / "sweep.json").read_text())["points"]] == ["failed", "done"]
