@@ -65,3 +65,21 @@ def test_failed_point_is_recorded_the_sweep_goes_on_and_a_rerun_skips_done_point
     assert summary.stat().st_mtime_ns == stamp  # not rerun
     assert "[2/2] name-lordo__rank-4: already done" in logged
     assert [p["status"] for p in json.loads((tmp_path / "out" / "sweep.json").read_text())["points"]] == ["failed", "done"]
+
+
+def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_dir):
+    f = write(tmp_path, NANO_BASE.format(data=data_dir)
+              + '[base.dist]\nworkers = 2\n[base.strategy]\nrank = 4\nsync_every = 2\n'
+              + '[grid]\n"strategy.name" = ["lordo"]\n"train.seed" = [0, 1]\n')
+    run_sweep(load_sweep(f, tmp_path / "out"), log=lambda _: None)
+    from lordo.experiments.report import write_report
+
+    report = write_report(tmp_path / "out").read_text()
+    ppl = [json.loads((tmp_path / "out" / f"name-lordo__seed-{s}" / "summary.json").read_text())["val_ppl"] for s in (0, 1)]
+    import statistics
+
+    assert f"| name=lordo | 2 | {statistics.mean(ppl):.2f} ± {statistics.stdev(ppl):.2f} |" in report
+    for name in ("val_loss_vs_step", "val_loss_vs_bytes", "basis_overlap", "optimizer_memory"):
+        png = tmp_path / "out" / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert f"plots/{name}.png" in report

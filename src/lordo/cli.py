@@ -100,6 +100,13 @@ def _sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from .experiments.report import write_report
+
+    print(f"wrote {write_report(args.dir)}")
+    return 0
+
+
 def _data_fetch(args: argparse.Namespace) -> int:
     from .data.corpus import fetch
 
@@ -186,6 +193,14 @@ def make_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", metavar="DIR", help="results folder (default: results/<sweep name>)")
     sw.add_argument("--dry-run", action="store_true", help="list the points and their settings, run nothing")
     sw.set_defaults(func=_sweep)
+
+    rp = sub.add_parser(
+        "report",
+        help="markdown table (mean ± std over seeds) and PNG plots of a sweep's or a folder's runs",
+        description="Write DIR/report.md and DIR/plots/*.png from every DIR/<run>/summary.json and metrics.jsonl.",
+    )
+    rp.add_argument("dir", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
+    rp.set_defaults(func=_report)
 
     d = sub.add_parser("data", help="fetch the corpus archives, prepare token files, show dataset info")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -1,0 +1,153 @@
+"""Reports of a sweep: a markdown table (mean ± std over seeds) and PNG plots.
+
+``lordo report DIR`` reads every ``DIR/<point>/summary.json`` and ``metrics.jsonl`` and writes
+``DIR/report.md`` and ``DIR/plots/*.png``: validation loss against steps and against bytes communicated
+(log axis), basis overlap at each synchronisation, and optimizer-state memory by category.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..errors import LordoError
+
+
+def _read_runs(root: Path) -> list[dict[str, Any]]:
+    runs = []
+    index = root / "sweep.json"
+    values_by_dir = {}
+    if index.exists():
+        for p in json.loads(index.read_text())["points"]:
+            values_by_dir[Path(p["dir"]).name] = p["values"]
+    for summary in sorted(root.glob("*/summary.json")):
+        folder = summary.parent
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        runs.append(
+            {
+                "name": folder.name,
+                "values": values_by_dir.get(folder.name, {}),
+                "summary": json.loads(summary.read_text()),
+                "metrics": rows,
+            }
+        )
+    return runs
+
+
+def _group_key(run: dict[str, Any]) -> str:
+    """The run's point without its seed: runs that differ only in the seed are averaged."""
+    parts = [f"{k.split('.')[-1]}={v}" for k, v in run["values"].items() if k != "train.seed"]
+    return ", ".join(parts) or run["name"]
+
+
+def _mean_std(values: list[float], digits: int = 2) -> str:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def write_report(root: str | Path) -> Path:
+    root = Path(root)
+    runs = _read_runs(root)
+    if not runs:
+        raise LordoError(f"no finished runs (*/summary.json) under {root}")
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+
+    lines = [
+        f"# Report: {root.name}",
+        "",
+        f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
+        "",
+        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | optimizer state (bytes) | basis overlap |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for key, members in groups.items():
+        s = [m["summary"] for m in members]
+        ratios = [x["comm_ratio_to_ddp"] for x in s if x.get("comm_ratio_to_ddp") is not None]
+        ratio = f"{statistics.mean(ratios):.4f}" if ratios else "–"
+        lines.append(
+            f"| {key} | {len(members)} | {_mean_std([x['val_ppl'] for x in s])} | {_mean_std([x['val_loss'] for x in s])} "
+            f"| {statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f} | {ratio} "
+            f"| {sum(s[0]['optimizer_state_bytes'].values()):,} | {_mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
+        )
+    plots = _plots(root, runs)
+    lines += ["", "## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
+    out = root / "report.md"
+    out.write_text("\n".join(lines))
+    return out
+
+
+def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise LordoError("plots need matplotlib: pip install 'lordo[report]' (make test installs it)") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = root / "plots"
+    folder.mkdir(exist_ok=True)
+    written = []
+
+    def evals(run):
+        return [r for r in run["metrics"] if "val_loss" in r]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        e = evals(run)
+        ax.plot([r["step"] for r in e], [r["val_loss"] for r in e], marker="o", ms=3, label=run["name"])
+    ax.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
+    ax.legend(fontsize=6)
+    written.append(_save(fig, folder / "val_loss_vs_step.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        e = [r for r in evals(run) if r.get("comm_bytes", 0) > 0]
+        if e:
+            ax.plot([r["comm_bytes"] for r in e], [r["val_loss"] for r in e], marker="o", ms=3, label=run["name"])
+    ax.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
+           title="validation loss vs communication")
+    if ax.get_lines():
+        ax.legend(fontsize=6)
+    written.append(_save(fig, folder / "val_loss_vs_bytes.png"))
+
+    with_overlap = [run for run in runs if any("basis_overlap" in r for r in run["metrics"])]
+    if with_overlap:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in with_overlap:
+            ov = [r["basis_overlap"] for r in run["metrics"] if "basis_overlap" in r]
+            ax.plot(range(1, len(ov) + 1), ov, marker="o", ms=3, label=run["name"])
+        ax.set(xlabel="synchronisation round", ylabel="basis overlap (1 = unchanged)", title="basis overlap")
+        ax.legend(fontsize=6)
+        written.append(_save(fig, folder / "basis_overlap.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    categories = sorted({c for run in runs for c in run["summary"]["optimizer_state_bytes"]})
+    bottoms = [0.0] * len(runs)
+    for cat in categories:
+        heights = [run["summary"]["optimizer_state_bytes"].get(cat, 0) / 2**20 for run in runs]
+        ax.bar(range(len(runs)), heights, bottom=bottoms, label=cat)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(runs)), [run["name"] for run in runs], rotation=60, ha="right", fontsize=6)
+    ax.set(ylabel="MiB per worker", title="optimizer state by category")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(_save(fig, folder / "optimizer_memory.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
