@@ -38,7 +38,20 @@ def test_grid_expands_in_file_order(tmp_path):
     assert str(sweep.out).endswith("results/g")
 
 
+def test_cases_pair_settings_and_multiply_the_grid(tmp_path):
+    f = write(tmp_path, '[grid]\n"train.seed" = [0, 1]\n'
+                        '[[case]]\n"strategy.name" = "lordo"\n"optim.lr" = 0.003\n'
+                        '[[case]]\n"strategy.name" = "ddp"\n"optim.lr" = 0.006\n')
+    points = load_sweep(f).points()
+    assert [p.name for p in points] == ["name-lordo__lr-0.003__seed-0", "name-lordo__lr-0.003__seed-1",
+                                        "name-ddp__lr-0.006__seed-0", "name-ddp__lr-0.006__seed-1"]
+    assert points[2].overrides == ('strategy.name="ddp"', "optim.lr=0.006", "train.seed=0")
+
+
 @pytest.mark.parametrize("text, message", [
+    ('[grid]\n"train.seed" = [0]\n[[case]]\n"train.seed" = 1\n', r"case 1 sets \['train.seed'\], which the grid also varies"),
+    ('[[case]]\n"optim.lr" = 0.1\n[[case]]\n"train.seed" = 1\n', r"case 2 sets \['train.seed'\] but case 1 sets \['optim.lr'\]"),
+    ('case = 3\n', r"\[\[case\]\] must be an array of tables"),
     ('[grid]\n"optim.learning_rate" = [1]\n', r"point learning_rate-1: unknown config key optim.'learning_rate'"),
     ('[grid]\n"optim.lr" = []\n', r"grid key 'optim.lr' must list at least one value"),
     ('[grids]\n', r"unknown tables \['grids'\]"),

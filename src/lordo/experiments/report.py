@@ -52,6 +52,19 @@ def _mean_std(values: list[float], digits: int = 2) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+def _wall(summaries: list[dict[str, Any]]) -> str:
+    walls = [x.get("modeled_wall_s") or {} for x in summaries]
+    if not all("1gbit" in w and "10gbit" in w for w in walls):
+        return "–"
+    return f"{statistics.mean(w['1gbit'] for w in walls):.1f} / {statistics.mean(w['10gbit'] for w in walls):.1f}"
+
+
+def _adamw_ratio(summary: dict[str, Any], state: int) -> str:
+    """Optimizer state against AdamW's two fp32 moments of every trained parameter (8 bytes per parameter)."""
+    params = summary.get("params")
+    return f"{state / (8 * params):.2f}" if params else "–"
+
+
 def write_report(root: str | Path) -> Path:
     root = Path(root)
     runs = _read_runs(root)
@@ -66,17 +79,19 @@ def write_report(root: str | Path) -> Path:
         "",
         f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
         "",
-        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | optimizer state (bytes) | basis overlap |",
-        "|---|---|---|---|---|---|---|---|",
+        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | modelled s @ 1 / 10 Gbit/s "
+        "| optimizer state (bytes) | × AdamW | basis overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, members in groups.items():
         s = [m["summary"] for m in members]
         ratios = [x["comm_ratio_to_ddp"] for x in s if x.get("comm_ratio_to_ddp") is not None]
         ratio = f"{statistics.mean(ratios):.4f}" if ratios else "–"
+        state = sum(s[0]["optimizer_state_bytes"].values())
         lines.append(
             f"| {key} | {len(members)} | {_mean_std([x['val_ppl'] for x in s])} | {_mean_std([x['val_loss'] for x in s])} "
-            f"| {statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f} | {ratio} "
-            f"| {sum(s[0]['optimizer_state_bytes'].values()):,} | {_mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
+            f"| {statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f} | {ratio} | {_wall(s)} "
+            f"| {state:,} | {_adamw_ratio(s[0], state)} | {_mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
         )
     plots = _plots(root, runs)
     lines += ["", "## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

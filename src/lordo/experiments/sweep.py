@@ -14,7 +14,19 @@ A sweep file (TOML)::
     "strategy.rank" = [8, 32]
     "train.seed" = [0, 1]
 
-Points are the cartesian product of the grid, in file order. Each runs in its own process (a crash
+Settings that must change together (a strategy and its tuned learning rate; a batch size and the step
+count that keeps the tokens equal) go in ``[[case]]`` tables; the points are then every case combined
+with every grid combination::
+
+    [[case]]
+    "strategy.name" = "lordo"
+    "optim.lr" = 3e-3
+
+    [[case]]
+    "strategy.name" = "ddp"
+    "optim.lr" = 6e-3
+
+Points are the cartesian product of the cases and the grid, in file order. Each runs in its own process (a crash
 cannot take the sweep down) into ``<out>/<point>/``; a point whose ``summary.json`` exists is skipped, so
 an interrupted sweep resumes (and a point interrupted mid-run resumes from its own checkpoint). A failed
 point leaves ``failed.json`` with its exit code and the end of its error output, and the sweep goes on.
@@ -28,7 +40,7 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,12 +61,13 @@ class Sweep:
     out: Path
     base: dict[str, dict[str, Any]]
     grid: dict[str, list[Any]]
+    cases: list[dict[str, Any]] = field(default_factory=list)
 
     def points(self) -> list[Point]:
         keys = list(self.grid)
         out = []
-        for combo in itertools.product(*(self.grid[k] for k in keys)):
-            values = dict(zip(keys, combo))
+        for case, combo in itertools.product(self.cases or [{}], itertools.product(*(self.grid[k] for k in keys))):
+            values = {**case, **dict(zip(keys, combo))}
             name = "__".join(f"{k.split('.')[-1]}-{_slug(v)}" for k, v in values.items()) or "base"
             overrides = tuple(f"{k}={json.dumps(v)}" for k, v in values.items())
             out.append(Point(name, overrides, values))
@@ -73,9 +86,11 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
         raise ConfigError(f"sweep file {path} does not exist") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"sweep file {path} cannot be read as TOML: {exc}") from None
-    unknown = set(raw) - {"sweep", "base", "grid"}
+    unknown = set(raw) - {"sweep", "base", "grid", "case"}
     if unknown:
-        raise ConfigError(f"{path}: unknown tables {sorted(unknown)}; a sweep file has [sweep], [base.*] and [grid]")
+        raise ConfigError(
+            f"{path}: unknown tables {sorted(unknown)}; a sweep file has [sweep], [base.*], [grid] and [[case]]"
+        )
     meta = raw.get("sweep", {})
     name = meta.get("name", path.stem)
     base: dict[str, dict[str, Any]] = {}
@@ -92,7 +107,16 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ConfigError(f"{path}: grid key {key!r} must list at least one value, got {values!r}")
-    sweep = Sweep(name, Path(out) if out else Path("results") / name, base, grid)
+    cases = raw.get("case", [])
+    if not isinstance(cases, list) or not all(isinstance(c, dict) and c for c in cases):
+        raise ConfigError(f"{path}: [[case]] must be an array of tables, each setting at least one config key")
+    for i, case in enumerate(cases, 1):
+        clash = sorted(set(case) & set(grid))
+        if clash:
+            raise ConfigError(f"{path}: case {i} sets {clash}, which the grid also varies; set each key in one place")
+        if sorted(case) != sorted(cases[0]):
+            raise ConfigError(f"{path}: case {i} sets {sorted(case)} but case 1 sets {sorted(cases[0])}; every case sets the same keys")
+    sweep = Sweep(name, Path(out) if out else Path("results") / name, base, grid, cases)
     for point in sweep.points():  # every point must be a valid configuration before anything runs
         try:
             build_config(tree=base, overrides=point.overrides)
@@ -107,7 +131,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
     base_file = sweep.out / "base.json"
     base_file.write_text(json.dumps(sweep.base, indent=2) + "\n")
     points = sweep.points()
-    index = {"name": sweep.name, "grid": sweep.grid, "base": sweep.base, "points": []}
+    index = {"name": sweep.name, "grid": sweep.grid, "cases": sweep.cases, "base": sweep.base, "points": []}
     for i, point in enumerate(points, 1):
         folder = sweep.out / point.name
         entry = {"name": point.name, "values": point.values, "dir": str(folder)}
