@@ -6,13 +6,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DATA   ?= data
 
-.PHONY: demo test data install clean
+.PHONY: demo test lint data install clean
 
 demo: $(STAMP) data
 	$(BIN)/lordo train --config configs/demo.toml --out runs/demo
 
-test: $(STAMP) data
+test: lint data
 	$(BIN)/python -m pytest -q
+
+# style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples
+	$(BIN)/mypy
 
 install: $(STAMP)
 

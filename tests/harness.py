@@ -7,8 +7,8 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
-import time
 import socket
+import time
 import traceback
 
 import torch

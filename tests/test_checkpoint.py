@@ -19,7 +19,7 @@ import lordo.train.checkpoint as ckpt_module
 from lordo.cli import main
 from lordo.config import build_config
 from lordo.errors import ConfigError, NonFiniteError
-from lordo.train.checkpoint import CheckpointError, Checkpointer, _load_tensor_file
+from lordo.train.checkpoint import Checkpointer, CheckpointError, _load_tensor_file
 from lordo.train.loop import train
 
 BASE = ["model.preset=nano", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=7",
@@ -94,7 +94,7 @@ def test_resume_on_gloo_equals_uninterrupted(data_dir, tmp_path):
 
 
 def test_sigterm_saves_then_resume_finishes_identically(data_dir, tmp_path):
-    cli = [sys.executable, "-m", "lordo.cli", "train", "--model", "nano", "--steps", "400", "--strategy", "local-adam",
+    cli = [sys.executable, "-m", "lordo.cli", "train", "--model", "nano", "--steps", "150", "--strategy", "local-adam",
            "--data-dir", str(data_dir)] + sum((["--set", s] for s in BASE if not s.startswith("model.")), [])
     out = tmp_path / "run"
     proc = subprocess.Popen([*cli, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -108,9 +108,9 @@ def test_sigterm_saves_then_resume_finishes_identically(data_dir, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM after step" in err and "lordo train --resume" in err
     stopped_at = int(err.split("after step ")[1].split(";")[0])
-    assert 0 < stopped_at < 400
+    assert 0 < stopped_at < 150
     assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "meta.json").exists()
-    assert main(["train", "--resume", str(out), "--set", "train.steps=400"]) == 0
+    assert main(["train", "--resume", str(out), "--set", "train.steps=150"]) == 0
     full = tmp_path / "full"
     assert subprocess.run([*cli, "--out", str(full)], capture_output=True).returncode == 0
     assert_same_model(full, out)
@@ -284,7 +284,7 @@ def test_fuzzed_checkpoint_files_and_config_files_give_clear_errors(tmp_path):
             errors += 1
     assert errors >= 40
     config, errors = tmp_path / "c.toml", 0
-    for i in range(60):
+    for _ in range(60):
         config.write_bytes(bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 200))))
         try:
             build_config(config)

@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
-from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
 from lordo.comm import Ledger, SimCommunicator
 from lordo.launch import WorkerFailed, launch_local
 from lordo.model import group_parameters
 from lordo.model.params import ParamGroup, ParamRule
 from lordo.strategies import build_strategy
+
+from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
 
 
 def test_sim_all_reduce_mean_and_broadcast_are_exact():

@@ -65,7 +65,7 @@ def test_sampler_is_deterministic_resumable_and_sharded(dataset):
     assert not (BatchSampler(dataset.train, 32, 4, seed=8).next()[0] == first[0][0]).all()
     # workers draw from disjoint contiguous shards
     shards = [BatchSampler(dataset.train, 32, 4, seed=7, rank=r, world_size=3) for r in range(3)]
-    for r, s in enumerate(shards):
+    for s in shards:
         starts = np.concatenate([s.starts(p) for p in range(50)])
         assert starts.min() >= s.lo and starts.max() + 33 <= s.hi
     assert shards[0].hi <= shards[1].lo and shards[1].hi <= shards[2].lo

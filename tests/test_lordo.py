@@ -5,11 +5,12 @@ import io
 import pytest
 import torch
 
-from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
 from lordo.comm import SimCommunicator
 from lordo.errors import ConfigError
 from lordo.model import group_parameters
 from lordo.strategies import build_strategy
+
+from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
 
 LOWRANK = ["strategy.rank=2", "strategy.sync_every=3"]
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lordo.config import PRESETS, build_config
+from lordo.errors import ConfigError
 from lordo.model import GPT, GPTConfig, group_parameters
 from lordo.model.params import ParamRule
-from lordo.errors import ConfigError
 
 
 def tiny(**kw) -> GPT:

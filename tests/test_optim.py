@@ -7,8 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from lordo.optim import (LowRankQHAdam, back_project, captured_energy, project, project_with_feedback,
-                         rotate_moments, side_of, subspace_iteration_basis, svd_basis)
+from lordo.optim import (
+    LowRankQHAdam,
+    back_project,
+    captured_energy,
+    project,
+    project_with_feedback,
+    rotate_moments,
+    side_of,
+    subspace_iteration_basis,
+    svd_basis,
+)
 
 
 def mlp():
@@ -80,7 +89,7 @@ def test_error_feedback_loses_nothing(shape):
     error = torch.zeros(shape)
     side = side_of(shape)
     applied, total = torch.zeros(shape), torch.zeros(shape)
-    for t in range(6):
+    for _ in range(6):
         grad = torch.randn(shape)
         basis = svd_basis(torch.randn(shape), 2)  # the basis changes every step
         g = project_with_feedback(grad, error, basis, side)
@@ -254,3 +263,34 @@ def test_overlap_by_hand():
     assert overlap(e[:, [0, 2]], e[:, :2]) == pytest.approx(0.5)  # one shared direction of two
     rotated = e[:, :2] @ torch.tensor([[0.6, -0.8], [0.8, 0.6]])
     assert overlap(rotated, e[:, :2]) == pytest.approx(1.0)  # same subspace, other basis
+
+
+@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
+def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
+    """Three steps with ω = 0.9, error feedback and weight decay against the formulas, term by term, with
+    explicit projection matrices in float64 (no code shared with the optimizer)."""
+    torch.manual_seed(3)
+    r, lr, b1, b2, eps, wd, omega = 3, 0.05, 0.8, 0.95, 1e-8, 0.1, 0.9
+    w = torch.nn.Parameter(torch.randn(shape))
+    q, _ = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))  # orthonormal columns
+    opt = LowRankQHAdam([{"params": [w], "rank": r}], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, omega=omega)
+    opt.set_basis(w, q.float())
+    right = shape[0] >= shape[1]  # compress the smaller side
+    W, E = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
+    P = q.float().double()
+    u = v = None
+    for t in range(1, 4):
+        G = torch.randn(shape, dtype=torch.float64)
+        w.grad = G.float()
+        opt.step()
+        A = G + E
+        g = A @ P if right else P.T @ A
+        E = A - (g @ P.T if right else P @ g)
+        u = (1 - b1) * g if u is None else b1 * u + (1 - b1) * g
+        v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
+        D = (v / (1 - b2**t)).sqrt() + eps
+        ratio = (u / (1 - b1**t)) / D
+        U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * G / D.mean()
+        W = W * (1 - lr * wd) - lr * U
+        torch.testing.assert_close(w.detach().double(), W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[w]["error_feedback"].double(), E, rtol=1e-5, atol=1e-6)

@@ -96,3 +96,12 @@ def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_di
         png = tmp_path / "out" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert f"plots/{name}.png" in report
+    # lordo plot: the two runs into one PNG; a folder that is not a run is a clear error
+    from lordo.cli import main
+
+    runs = [str(tmp_path / "out" / f"name-lordo__seed-{s}") for s in (0, 1)]
+    assert main(["plot", *runs, "--out", str(tmp_path / "two.png")]) == 0
+    png = tmp_path / "two.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    assert not (tmp_path / "x.png").exists()

@@ -121,3 +121,22 @@ def test_cli_lordo_run_logs_diagnostics_at_every_sync(data_dir, tmp_path):
     assert set(summary["optimizer_state_bytes"]) == {"lowrank_moments", "full_rank_moments", "bases", "error_feedback", "anchor"}
     config = json.loads((out / "config.json").read_text())
     assert config["strategy"]["rank"] == 4 and config["strategy"]["omega"] == 0.9
+
+
+def test_tensorboard_log_holds_the_jsonl_numbers(data_dir, tmp_path):
+    pytest.importorskip("tensorboard", reason="the tb extra is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    code = main(["train", "--model", "nano", "--steps", "8", "--out", str(out), "--data-dir", str(data_dir),
+                 "--workers", "2", "--strategy", "lordo", "--rank", "4", "--sync-every", "4", "--log", "tensorboard",
+                 "--set", "train.eval_every=4", "--set", "schedule.warmup_steps=2", "--set", "train.log_every=2"])
+    assert code == 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = read_metrics(out)
+    for key in ("val_loss", "val_ppl", "train_loss", "lr", "comm_bytes", "basis_overlap"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        expected = [(r["step"], r[key]) for r in rows if key in r and (r["step"] > 0 or key.startswith("val"))]
+        assert [s for s, _ in logged] == [s for s, _ in expected], key
+        assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), key

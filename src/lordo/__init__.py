@@ -1,3 +1,35 @@
-"""lordo: LoRDO, distributed low-rank optimization with infrequent communication, for PyTorch."""
+"""lordo: LoRDO, distributed low-rank optimization with infrequent communication, for PyTorch.
 
-__version__ = "0.1.0.dev0"
+The public surface (stable within a minor version) is what ``__all__`` lists:
+
+- :func:`distributed` / :class:`DistributedOptimizer`: LoRDO or a baseline strategy in your training loop;
+- :class:`LowRankQHAdam`: the single-worker low-rank QH-Adam optimizer (``torch.optim.Optimizer``);
+- :class:`Config`, :func:`build_config`: the configuration behind ``lordo train`` (the trainer itself is
+  ``lordo.train.loop.train``);
+- :data:`STRATEGY_NAMES`; the errors :class:`LordoError`, :class:`ConfigError`, :class:`DataError`,
+  :class:`NonFiniteError`, :class:`CommError`.
+"""
+
+from .api import DistributedOptimizer, distributed
+from .comm.torch_dist import CommError
+from .config import STRATEGY_NAMES, Config, build_config
+from .errors import ConfigError, DataError, LordoError, NonFiniteError
+from .optim import LowRankQHAdam
+
+__version__ = "0.1.0"
+
+
+__all__ = [
+    "CommError",
+    "Config",
+    "ConfigError",
+    "DataError",
+    "DistributedOptimizer",
+    "LordoError",
+    "LowRankQHAdam",
+    "NonFiniteError",
+    "STRATEGY_NAMES",
+    "__version__",
+    "build_config",
+    "distributed",
+]

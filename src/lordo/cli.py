@@ -1,4 +1,4 @@
-"""Command line: ``lordo train``, ``lordo data fetch|prepare|info``."""
+"""Command line: ``lordo train``, ``sweep``, ``report``, ``plot``, ``data fetch|prepare|info``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _train(args: argparse.Namespace) -> int:
         (args.sync_every, "strategy.sync_every", False),
         (args.rank, "strategy.rank", False),
         (args.omega, "strategy.omega", False),
+        (args.log, "train.log", True),
     ):
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag) if quote else flag}")
@@ -107,6 +108,19 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from .experiments.report import plot_runs
+
+    print(f"wrote {plot_runs(args.runs, args.out)}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.rest)
+
+
 def _data_fetch(args: argparse.Namespace) -> int:
     from .data.corpus import fetch
 
@@ -179,6 +193,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--sync-every", type=int, metavar="K", help="strategy.sync_every: local steps between syncs")
     t.add_argument("--rank", type=int, metavar="R", help="strategy.rank: rank of the low-rank moments")
     t.add_argument("--omega", type=float, metavar="W", help="strategy.omega: QH weight on the low-rank momentum")
+    t.add_argument("--log", metavar="SINK", help="train.log: jsonl (default) or tensorboard (also OUT/tensorboard)")
     t.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override one config key, e.g. --set optim.lr=3e-3 (repeatable)"
     )
@@ -201,6 +216,24 @@ def make_parser() -> argparse.ArgumentParser:
     )
     rp.add_argument("dir", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
     rp.set_defaults(func=_report)
+
+    pl = sub.add_parser(
+        "plot",
+        help="validation loss against steps and against bytes communicated, for one or several runs, as one PNG",
+        description="Draw loss vs step and loss vs bytes sent (log axis) of each RUN_DIR into one PNG.",
+    )
+    pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folders of lordo train (with metrics.jsonl)")
+    pl.add_argument("--out", default="plot.png", metavar="FILE.png", help="where to write the PNG (default plot.png)")
+    pl.set_defaults(func=_plot)
+
+    bn = sub.add_parser(
+        "bench",
+        help="benchmarks (not tests): step, basis, runs; each prints ratios measured side by side and writes JSON",
+        description="lordo bench {step,basis,runs} [options]; lordo bench step --help for each one's options.",
+        add_help=False,
+    )
+    bn.add_argument("rest", nargs=argparse.REMAINDER)
+    bn.set_defaults(func=_bench)
 
     d = sub.add_parser("data", help="fetch the corpus archives, prepare token files, show dataset info")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION", required=True)

@@ -9,16 +9,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ConfigError
 
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -111,6 +112,9 @@ class TrainConfig:
     checkpoint_every: int = _f(250, "save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT); 0 = "
                                "only then", _non_negative)
     keep_checkpoints: int = _f(2, "how many of the newest checkpoints to keep", _positive)
+    log: str = _f("jsonl", "where metrics go: jsonl (OUT/metrics.jsonl, always written) or tensorboard (also "
+                  "TensorBoard event files in OUT/tensorboard; needs pip install 'lordo[tb]')",
+                  _choice("jsonl", "tensorboard"))
     on_nonfinite: str = _f("stop", "a NaN/inf loss on any worker: stop (naming the last good checkpoint) or skip "
                            "the step on every worker", _choice("stop", "skip"))
 
@@ -142,8 +146,16 @@ class StrategyConfig:
                            _choice("svd", "subspace"))
     qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper) or G + error feedback",
                         _choice("grad", "grad+error"))
-    lowrank_pattern: str = _f(r"^blocks\.\d+\.(attn|mlp)\.\w+\.weight$",
-                              "regular expression: 2-D parameters whose names match are trained low-rank")
+    compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
+                       "(pseudo-gradient and moments all-reduced in bfloat16) or int8 (pseudo-gradient quantised per "
+                       "row to int8 and all-gathered; moments in bfloat16)", _choice("none", "bf16", "int8"))
+    compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
+                                 "the next round's (error feedback), so nothing is lost over rounds")
+    error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "
+                                   "state LoRDO keeps): float32, or bfloat16 to halve it",
+                                   _choice("float32", "bfloat16"))
+    lowrank_pattern: str = _f("auto", "which 2-D parameters are trained low-rank: auto (the block matrices: attention "
+                              "and MLP weights; not embeddings or output heads) or a regular expression on names")
 
 
 @dataclass(kw_only=True)
@@ -162,6 +174,9 @@ class CommConfig:
 
 @dataclass(kw_only=True)
 class Config:
+    """A run's complete settings, one dataclass per section; build it with :func:`build_config`, which
+    validates every field. ``lordo train --help`` (or docs/cli.md) lists every key with its default."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -354,6 +369,11 @@ def validate(cfg: Config) -> None:
         re.compile(cfg.strategy.lowrank_pattern)
     except re.error as exc:
         raise ConfigError(f"strategy.lowrank_pattern is not a valid regular expression: {exc}") from None
+    if cfg.strategy.compress != "none" and cfg.strategy.name in ("ddp", "lowrank-ddp"):
+        raise ConfigError(
+            f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
+            f"lordo-local; strategy {cfg.strategy.name!r} has none (set strategy.compress = \"none\")"
+        )
     if cfg.schedule.warmup_steps >= cfg.train.steps and cfg.schedule.warmup_steps > 0:
         raise ConfigError(
             f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be smaller than train.steps "

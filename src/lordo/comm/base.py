@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -68,6 +68,21 @@ class Communicator(ABC):
         self._broadcast(per_worker, src)
         self.ledger.record("broadcast", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
 
+    def all_gather(self, per_worker: TensorLists, tag: str) -> list[list[list[torch.Tensor]]]:
+        """Every worker's tensors, delivered to every worker: ``result[h][m]`` is worker m's list, for each
+        hosted worker h. Treat the result as read-only (the simulator shares it between hosted workers).
+        The ledger counts what one worker contributes (its own tensors)."""
+        first = self._check(per_worker)
+        if self.world_size == 1:
+            return [[list(tensors)] for tensors in per_worker]
+        t0 = time.perf_counter()
+        out = self._all_gather(per_worker)
+        self.ledger.record("all_gather", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+        return out
+
+    @abstractmethod
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]: ...
+
     @abstractmethod
     def _all_reduce_mean(self, per_worker: TensorLists) -> None: ...
 
@@ -82,5 +97,5 @@ class Communicator(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a no-op unless the backend holds a process group)
         """Release the process group, if any."""

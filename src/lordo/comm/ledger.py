@@ -40,6 +40,7 @@ class Ledger:
         """Seconds the recorded collectives take on a link of this bandwidth.
 
         All-reduce of S bytes over M workers as a ring: latency + 2·(M−1)/M·S/bandwidth per call.
+        All-gather of S bytes from each worker as a ring: latency + (M−1)·S/bandwidth per call.
         Broadcast of S bytes as a pipelined chain: latency + S/bandwidth per call.
         """
         m = self.world_size
@@ -47,7 +48,7 @@ class Ledger:
         total = 0.0
         for key, e in self.entries.items():
             kind = key.split(":", 1)[0]
-            factor = 2 * (m - 1) / m if kind == "all_reduce" else 1.0
+            factor = {"all_reduce": 2 * (m - 1) / m, "all_gather": float(m - 1)}.get(kind, 1.0)
             total += e.calls * latency_s + factor * e.bytes / bytes_per_s
         return total if m > 1 else 0.0
 

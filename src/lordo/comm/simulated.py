@@ -21,6 +21,10 @@ class SimCommunicator(Communicator):
             for t in tensors:
                 t.copy_(acc)
 
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        gathered = [list(tensors) for tensors in per_worker]
+        return [gathered for _ in per_worker]
+
     @torch.no_grad()
     def _broadcast(self, per_worker: TensorLists, src: int) -> None:
         for tensors in zip(*per_worker):

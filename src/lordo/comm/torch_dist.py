@@ -29,21 +29,28 @@ def launched_by_torchrun() -> bool:
 
 
 class TorchDistCommunicator(Communicator):
+    """One worker per process. Joins the process group from torchrun's environment, or uses the one the
+    caller already initialised (``dist.init_process_group``), which it then leaves open on ``close``."""
+
     def __init__(self, backend: str, timeout_s: float) -> None:
-        missing = [k for k in ENV_KEYS if k not in os.environ]
-        if missing:
-            raise CommError(
-                f"backend {backend!r} needs a launcher: environment variables {', '.join(missing)} are not set. "
-                "Start with `torchrun --nproc-per-node M -m lordo.cli train ...` or `lordo train --workers M --backend "
-                f"{backend}` (which starts the processes itself)"
-            )
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise CommError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         self.timeout = _dt.timedelta(seconds=timeout_s)
-        if not dist.is_initialized():
+        self.owns_group = not dist.is_initialized()
+        if not self.owns_group:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            backend = str(dist.get_backend())
+        else:
+            missing = [k for k in ENV_KEYS if k not in os.environ]
+            if missing:
+                raise CommError(
+                    f"backend {backend!r} needs a launcher: environment variables {', '.join(missing)} are not set. "
+                    "Start with `torchrun --nproc-per-node M -m lordo.cli train ...` or `lordo train --workers M --backend "
+                    f"{backend}` (which starts the processes itself)"
+                )
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if backend == "nccl":
+                if not torch.cuda.is_available():
+                    raise CommError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             try:
                 dist.init_process_group(backend, store=self._store(rank, world), rank=rank, world_size=world, timeout=self.timeout)
             except Exception as exc:  # rendezvous failures come in several exception types
@@ -105,6 +112,22 @@ class TorchDistCommunicator(Communicator):
                 offset += t.numel()
 
     @torch.no_grad()
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        (tensors,) = per_worker
+        result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(self.world_size)]
+        index = {id(t): i for i, t in enumerate(tensors)}
+        for group in self._buckets(tensors).values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            outs = [torch.empty_like(flat) for _ in range(self.world_size)]
+            self._run("all_gather", dist.all_gather, outs, flat)
+            for rank, out in enumerate(outs):
+                offset = 0
+                for t in group:
+                    result[rank][index[id(t)]] = out[offset : offset + t.numel()].view_as(t)
+                    offset += t.numel()
+        return [[[t for t in row if t is not None] for row in result]]
+
+    @torch.no_grad()
     def _broadcast(self, per_worker: TensorLists, src: int) -> None:
         (tensors,) = per_worker
         for group in self._buckets(tensors).values():
@@ -125,5 +148,5 @@ class TorchDistCommunicator(Communicator):
         self._run("barrier", dist.barrier)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

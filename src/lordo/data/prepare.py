@@ -38,7 +38,8 @@ def is_val(doc_id: str, val_fraction: float) -> bool:
 
 
 def split_documents(docs: Iterable[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    train, val = [], []
+    train: list[Document] = []
+    val: list[Document] = []
     for doc in docs:
         (val if is_val(doc[0], val_fraction) else train).append(doc)
     return train, val

@@ -53,10 +53,13 @@ def _mean_std(values: list[float], digits: int = 2) -> str:
 
 
 def _wall(summaries: list[dict[str, Any]]) -> str:
+    """Modelled seconds of communication (wall-clock minus the measured compute): deterministic, unlike the
+    compute time, which depends on what else the machine was doing."""
     walls = [x.get("modeled_wall_s") or {} for x in summaries]
     if not all("1gbit" in w and "10gbit" in w for w in walls):
         return "–"
-    return f"{statistics.mean(w['1gbit'] for w in walls):.1f} / {statistics.mean(w['10gbit'] for w in walls):.1f}"
+    comm = {k: statistics.mean(w[k] - x["compute_s_per_worker"] for w, x in zip(walls, summaries)) for k in ("1gbit", "10gbit")}
+    return f"{comm['1gbit']:.2f} / {comm['10gbit']:.2f}"
 
 
 def _adamw_ratio(summary: dict[str, Any], state: int) -> str:
@@ -79,7 +82,7 @@ def write_report(root: str | Path) -> Path:
         "",
         f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
         "",
-        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | modelled s @ 1 / 10 Gbit/s "
+        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | modelled comm s @ 1 / 10 Gbit/s "
         "| optimizer state (bytes) | × AdamW | basis overlap |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -166,3 +169,44 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """One PNG for ``lordo plot``: validation loss against step (left) and against bytes sent (right)."""
+    runs = []
+    for d in map(Path, run_dirs):
+        path = d / "metrics.jsonl"
+        if not path.exists():
+            raise LordoError(f"{d} has no metrics.jsonl; give output folders of lordo train")
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a row cut short by a crash
+        evals = [r for r in rows if "val_loss" in r]
+        if not evals:
+            raise LordoError(f"{path} holds no validation loss yet")
+        runs.append((d.name or str(d), evals))
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise LordoError("plots need matplotlib: pip install 'lordo[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, evals in runs:
+        left.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", ms=3, label=name)
+        sent = [r for r in evals if r.get("comm_bytes", 0) > 0]
+        if sent:
+            right.plot([r["comm_bytes"] for r in sent], [r["val_loss"] for r in sent], marker="o", ms=3, label=name)
+    left.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
+    right.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
+              title="validation loss vs communication")
+    left.legend(fontsize=7)
+    if right.get_lines():
+        right.legend(fontsize=7)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out)

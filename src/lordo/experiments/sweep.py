@@ -40,9 +40,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import build_config, load_toml, tomllib
 from ..errors import ConfigError
@@ -131,7 +132,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
     base_file = sweep.out / "base.json"
     base_file.write_text(json.dumps(sweep.base, indent=2) + "\n")
     points = sweep.points()
-    index = {"name": sweep.name, "grid": sweep.grid, "cases": sweep.cases, "base": sweep.base, "points": []}
+    index: dict[str, Any] = {"name": sweep.name, "grid": sweep.grid, "cases": sweep.cases, "base": sweep.base, "points": []}
     for i, point in enumerate(points, 1):
         folder = sweep.out / point.name
         entry = {"name": point.name, "values": point.values, "dir": str(folder)}

@@ -1,4 +1,4 @@
 from .gpt import GPT, GPTConfig
-from .params import ParamRule, DEFAULT_RULES, group_parameters, format_groups
+from .params import DEFAULT_RULES, ParamRule, format_groups, group_parameters
 
 __all__ = ["GPT", "GPTConfig", "ParamRule", "DEFAULT_RULES", "group_parameters", "format_groups"]

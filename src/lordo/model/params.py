@@ -84,3 +84,47 @@ def format_groups(groups: list[ParamGroup]) -> str:
     rows.append(("total", str(sum(len(g.params) for g in groups)), f"{total:,}", "100.0%", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# Groups for any model (the library API): decided by module type, not by names.
+MATRIX_RULE = ParamRule("block_matrix", "", ndim=2, matrix=True)
+EMBEDDING_RULE = ParamRule("embedding", "", ndim=2)
+OTHER_MATRIX_RULE = ParamRule("other_matrix", "")
+VECTOR_RULE = ParamRule("norm_bias", "", ndim=1, weight_decay=False)
+
+
+def group_by_module(model: nn.Module) -> list[ParamGroup]:
+    """Parameter groups of an arbitrary model, by the module that owns each parameter.
+
+    - ``block_matrix`` (low-rank candidates): weights of ``nn.Linear`` layers, except output heads, and the
+      packed input projection of ``nn.MultiheadAttention``;
+    - ``embedding`` (full rank): ``nn.Embedding`` weights, and ``nn.Linear`` weights that widen the input to
+      as many outputs as an embedding has entries (an untied output head over the vocabulary);
+    - ``other_matrix`` (full rank, weight decay): any other parameter of two or more dimensions;
+    - ``norm_bias`` (full rank, no weight decay): one-dimensional parameters (norm scales, biases).
+
+    Tied parameters appear once, under their first name (``named_parameters`` order)."""
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    owner: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owner.setdefault(id(p), module)
+    groups = {r.group: ParamGroup(r, [], []) for r in (MATRIX_RULE, EMBEDDING_RULE, OTHER_MATRIX_RULE, VECTOR_RULE)}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        module = owner[id(p)]
+        if p.ndim < 2:
+            group = "norm_bias"
+        elif isinstance(module, nn.Embedding):
+            group = "embedding"
+        elif isinstance(module, nn.MultiheadAttention) and p is module.in_proj_weight:
+            group = "block_matrix"
+        elif isinstance(module, nn.Linear) and p is module.weight:
+            head = module.out_features in vocab_sizes and module.out_features > module.in_features
+            group = "embedding" if head else "block_matrix"
+        else:
+            group = "other_matrix"
+        groups[group].names.append(name)
+        groups[group].params.append(p)
+    return [g for g in groups.values() if g.params]

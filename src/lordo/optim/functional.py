@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .lowrank import back_project
+from .subspace import RIGHT
 
 
 @torch.no_grad()
@@ -38,15 +38,20 @@ def lowrank_qh_adam_update(
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    denom = (exp_avg_sq / bc2).sqrt_().add_(eps)
-    low = back_project(exp_avg / bc1 / denom, basis, side)
-    if weight_decay:
-        param.mul_(1 - lr * weight_decay)
-    if omega == 1.0 or qh_grad is None:
-        param.add_(low, alpha=-lr)
-        return
-    param.add_(low, alpha=-lr * omega)
-    param.add_(qh_grad.to(param.dtype), alpha=-lr * (1 - omega) / float(denom.mean()))
+    denom = (exp_avg_sq / bc2).sqrt_().add_(eps)  # low-rank: small
+    ratio = (exp_avg / denom).to(param.dtype)  # û/D up to the 1/bc1 folded into alpha below
+    qh = omega < 1.0 and qh_grad is not None
+    basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
+    # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
+    decay, alpha = 1 - lr * weight_decay, -lr * (omega if qh else 1.0) / bc1
+    if side == RIGHT:
+        param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
+    else:
+        param.addmm_(basis, ratio, beta=decay, alpha=alpha)
+    if qh:
+        assert qh_grad is not None
+        # − η(1−ω)·G/mean(D): mean(D) stays a 0-d tensor (no host synchronisation on GPUs)
+        param.addcdiv_(qh_grad.to(param.dtype), denom.mean().to(param.dtype), value=-lr * (1 - omega))
 
 
 @torch.no_grad()

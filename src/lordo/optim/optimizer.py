@@ -9,19 +9,34 @@ in a single process: the basis of a matrix is taken from its first gradient unle
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from .functional import lowrank_qh_adam_update, qh_adam_update
 from .lowrank import back_project, project_with_feedback, rotate_moments
-from .subspace import check_rank, side_of, subspace_iteration_basis, svd_basis
+from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 QH_SOURCES = ("grad", "grad+error")
 BASIS_METHODS = ("svd", "subspace")
 
 
 class LowRankQHAdam(torch.optim.Optimizer):
+    """LoRDO's local optimizer for one process: low-rank QH-Adam with error feedback.
+
+    Parameter groups with an integer ``rank`` hold 2-D matrices whose moments live in a rank-r subspace
+    (the smaller side is compressed): each step projects G + E (E: error feedback of what earlier
+    projections dropped), updates the low-rank moments and applies
+    ``ω·back(û/D) + (1 − ω)·G/mean(D)``; the ``1 − ω`` full-rank term lets the weights, and so the next
+    basis, leave the subspace. Groups with ``rank=None`` take full-rank QHAdam with the same ω. A matrix's
+    basis comes from its first gradient unless set; :meth:`refresh_basis` / :meth:`set_basis` change it and
+    rotate the moments (LDAdam). ``omega=1`` is plain low-rank Adam; ``omega=1, rank=None`` is AdamW.
+    ``basis_method``: ``svd`` (exact) or ``subspace`` (warm-started subspace iteration).
+    ``qh_source``: ``grad`` (G, the paper) or ``grad+error`` (G + E) in the full-rank term.
+    ``error_feedback_dtype``: dtype of the error-feedback buffers (default: the parameter's); bfloat16
+    halves them, while G + E is still formed in the parameter's precision each step.
+    """
+
     def __init__(
         self,
         params: Iterable,
@@ -34,6 +49,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         error_feedback: bool = True,
         qh_source: str = "grad",
         basis_method: str = "svd",
+        error_feedback_dtype: torch.dtype | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -45,6 +61,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             error_feedback=error_feedback,
             qh_source=qh_source,
             basis_method=basis_method,
+            error_feedback_dtype=error_feedback_dtype,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -78,10 +95,17 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return [(p, g) for g in self.param_groups if g["rank"] is not None for p in g["params"]]
 
     def _group_of(self, param: torch.Tensor) -> dict:
-        for g in self.param_groups:
-            if any(p is param for p in g["params"]):
-                return g
-        raise KeyError("parameter is not managed by this optimizer")
+        # cached per identity of the group dicts and their sizes: add_param_group and load_state_dict (which
+        # replaces the dicts) rebuild it
+        key = tuple((id(g), len(g["params"])) for g in self.param_groups)
+        cached = self.__dict__.get("_group_index")
+        if cached is None or cached[0] != key:
+            cached = (key, {id(p): g for g in self.param_groups for p in g["params"]})
+            self.__dict__["_group_index"] = cached
+        group = cached[1].get(id(param))
+        if group is None:
+            raise KeyError("parameter is not managed by this optimizer")
+        return group
 
     def _init_lowrank_state(self, p: torch.Tensor, group: dict, basis: torch.Tensor) -> dict:
         state = self.state[p]
@@ -92,7 +116,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         state["exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
         state["exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
         if group["error_feedback"]:
-            state["error_feedback"] = torch.zeros_like(p)
+            state["error_feedback"] = torch.zeros_like(p, dtype=group.get("error_feedback_dtype") or p.dtype)
         return state
 
     def compute_basis(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor | None:
@@ -137,12 +161,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
         this gradient) on first use."""
         group = self._group_of(p)
         if "basis" not in self.state[p]:
-            basis = svd_basis(p.grad, group["rank"])
+            basis = svd_basis(grad_of(p), group["rank"])
             if basis is None:
                 raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
             self._init_lowrank_state(p, group, basis)
         state = self.state[p]
-        return project_with_feedback(p.grad, state.get("error_feedback"), state["basis"], side_of(p.shape))
+        return project_with_feedback(grad_of(p), state.get("error_feedback"), state["basis"], side_of(p.shape))
 
     @torch.no_grad()
     def apply_lowrank(self, p: torch.Tensor, g: torch.Tensor, qh_grad: torch.Tensor | None = None) -> None:
@@ -175,7 +199,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         state["step"] += 1
         b1, b2 = group["betas"]
         qh_adam_update(
-            p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"]),
+            p, grad_of(p), state["exp_avg"], state["exp_avg_sq"], int(state["step"]),
             group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
         )
 
@@ -212,5 +236,6 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 out["lowrank_moments"] += 2 * big * r * itemsize
                 out["bases"] += min(p.shape) * r * 4
                 if group["error_feedback"]:
-                    out["error_feedback"] += p.numel() * itemsize
+                    ef_dtype = group.get("error_feedback_dtype") or p.dtype
+                    out["error_feedback"] += p.numel() * torch.empty((), dtype=ef_dtype).element_size()
         return out

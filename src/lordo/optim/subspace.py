@@ -17,6 +17,13 @@ import torch
 RIGHT, LEFT = "right", "left"
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad``, or an error that says what to do when backward has not run."""
+    if p.grad is None:
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has no gradient: call loss.backward() before step()")
+    return p.grad
+
+
 def side_of(shape: torch.Size | tuple[int, ...]) -> str:
     p, q = shape
     return RIGHT if p >= q else LEFT

@@ -23,12 +23,12 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float) -> float:
+def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
     """Clip the global gradient norm of ``params`` in place (0 = no clipping); returns the norm before."""
     with_grad = [p for p in params if p.grad is not None]
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm, foreach=True))
-    return float(torch.nn.utils.get_total_norm([p.grad for p in with_grad], foreach=True))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in with_grad if p.grad is not None], foreach=True))
 
 
 def make_adamw(groups: list[ParamGroup], cfg) -> torch.optim.AdamW:
@@ -49,7 +49,7 @@ class Strategy(ABC):
         if len(models) != len(comm.local_ranks):
             raise ValueError(f"{len(models)} model replicas for {len(comm.local_ranks)} hosted workers")
         self.models, self.groups, self.cfg, self.comm = models, groups, cfg, comm
-        self.params = [[p for g in worker_groups for p in g.params] for worker_groups in groups]
+        self.params: list[list[torch.Tensor]] = [[p for g in worker_groups for p in g.params] for worker_groups in groups]
         self.steps_done = 0
         self.optimizers: list[torch.optim.Optimizer] = []  # one per hosted worker, set by the subclass
 
@@ -59,7 +59,7 @@ class Strategy(ABC):
             missing = [i for i, p in enumerate(params) if p.grad is None]
             if missing:
                 raise RuntimeError(f"{len(missing)} parameters have no gradient: call loss.backward() before step()")
-            out.append([p.grad for p in params])
+            out.append([p.grad for p in params if p.grad is not None])
         return out
 
     def clip_and_step(self, lr: float) -> list[float]:

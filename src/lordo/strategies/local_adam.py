@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..comm.compress import dequantize_int8_rows, quantize_int8_rows
 from ..errors import NonFiniteError
 from .base import Strategy, make_adamw, tensor_bytes
 
@@ -34,6 +35,10 @@ class LocalUpdateStrategy(Strategy):
         self.anchor = [p.detach().clone() for p in self.params[0]]
         self.outer_momentum = [torch.zeros_like(p) for p in self.anchor] if self.momentum > 0 else []
         self.syncs = 0
+        # compressed synchronisations: each worker keeps what compression lost (error feedback), full size
+        self.compress = s.compress
+        feedback = self.compress != "none" and s.compress_feedback
+        self.compression_error = [[torch.zeros_like(p) for p in params] for params in self.params] if feedback else []
 
     def make_optimizer(self, worker_groups) -> torch.optim.Optimizer:
         return make_adamw(worker_groups, self.cfg.optim)
@@ -68,8 +73,16 @@ class LocalUpdateStrategy(Strategy):
                 moments = [
                     [opt.state[p][key] for p in self.averaged_params(w)] for w, opt in enumerate(self.optimizers)
                 ]
-                if moments[0]:
+                if not moments[0]:
+                    continue
+                if self.compress == "none":
                     self.comm.all_reduce_mean(moments, tag=key)
+                else:  # bf16 on the wire; the running averages need no error feedback
+                    low = [[m.to(torch.bfloat16) for m in ms] for ms in moments]
+                    self.comm.all_reduce_mean(low, tag=f"{key}_bf16")
+                    for ms, ls in zip(moments, low):
+                        for m, lo in zip(ms, ls):
+                            m.copy_(lo)
 
     def finish(self) -> dict[str, float]:
         return self.synchronise() if self.steps_done % self.sync_every else {}
@@ -81,7 +94,7 @@ class LocalUpdateStrategy(Strategy):
             for p, a in zip(params, self.anchor):
                 p.sub_(a).neg_()
         pseudo = [[p.data for p in params] for params in self.params]
-        self.comm.all_reduce_mean(pseudo, tag="pseudo_gradient")
+        self.average_pseudo_gradients(pseudo)
         delta = pseudo[0]
         if not all(bool(torch.isfinite(d).all()) for d in delta):
             raise NonFiniteError(
@@ -105,6 +118,61 @@ class LocalUpdateStrategy(Strategy):
                 p.copy_(a)
         self.syncs += 1
         return stats
+
+    @torch.no_grad()
+    def average_pseudo_gradients(self, pseudo: list[list[torch.Tensor]]) -> None:
+        """Replace every worker's pseudo-gradients, in place, by their mean over all workers, sent as
+        ``strategy.compress`` says (with error feedback of what compression lost, if enabled)."""
+        if self.compress == "none":
+            self.comm.all_reduce_mean(pseudo, tag="pseudo_gradient")
+            return
+        for tensors, errors in zip(pseudo, self.compression_error):
+            for t, e in zip(tensors, errors):
+                t.add_(e)  # x = Δ + what earlier rounds did not deliver
+        if self.compress == "bf16":
+            payload = [[t.to(torch.bfloat16) for t in tensors] for tensors in pseudo]
+            for tensors, sent, errors in zip(pseudo, payload, self.compression_error):
+                for t, c, e in zip(tensors, sent, errors):
+                    e.copy_(t).sub_(c)
+            self.comm.all_reduce_mean(payload, tag="pseudo_gradient_bf16")
+            for tensors, sent in zip(pseudo, payload):
+                for t, c in zip(tensors, sent):
+                    t.copy_(c)
+            return
+        payload = []
+        for w, tensors in enumerate(pseudo):
+            items: list[torch.Tensor] = []
+            for i, t in enumerate(tensors):
+                q, scale = quantize_int8_rows(t)
+                items += [q, scale]
+                if self.compression_error:
+                    self.compression_error[w][i].copy_(t).sub_(dequantize_int8_rows(q, scale))
+            payload.append(items)
+        gathered = self.comm.all_gather(payload, tag="pseudo_gradient_int8")
+        means: dict[int, list[torch.Tensor]] = {}  # the simulator hands every hosted worker the same list
+        for tensors, sources in zip(pseudo, gathered):
+            if id(sources) not in means:
+                mean = []
+                for i, t in enumerate(tensors):
+                    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                    for src in sources:  # rank order: the same sum on every worker
+                        acc += dequantize_int8_rows(src[2 * i], src[2 * i + 1])
+                    mean.append(acc.div_(self.comm.world_size))
+                means[id(sources)] = mean
+            for t, m in zip(tensors, means[id(sources)]):
+                t.copy_(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        for worker, errors in zip(state["workers"], self.compression_error):
+            worker["compression_error"] = [e.clone() for e in errors]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for worker, errors in zip(state["workers"], self.compression_error):
+            for e, saved in zip(errors, worker["compression_error"], strict=True):
+                e.copy_(saved)
 
     def shared_state(self) -> dict[str, Any]:
         return {
@@ -132,6 +200,8 @@ class LocalUpdateStrategy(Strategy):
         out["anchor"] = tensor_bytes(self.anchor)
         if self.outer_momentum:
             out["outer_momentum"] = tensor_bytes(self.outer_momentum)
+        if self.compression_error:
+            out["compression_feedback"] = tensor_bytes(self.compression_error[0])
         return out
 
 

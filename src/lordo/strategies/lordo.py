@@ -21,17 +21,24 @@ import torch
 
 from ..errors import ConfigError
 from ..model.params import ParamGroup
-from ..optim import LowRankQHAdam, captured_energy, overlap, svd_basis
+from ..optim import LowRankQHAdam, captured_energy, grad_of, overlap, svd_basis
 from .local_adam import LocalUpdateStrategy
 
 
 def split_lowrank(groups: list[ParamGroup], pattern: str, rank: int) -> tuple[list[dict], list[str]]:
-    """Optimizer parameter groups: 2-D parameters whose name matches ``pattern`` become low-rank at ``rank``."""
-    regex = re.compile(pattern)
+    """Optimizer parameter groups: the 2-D parameters selected by ``pattern`` become low-rank at ``rank``.
+
+    ``pattern`` is ``"auto"`` (the parameters of groups whose rule marks them as block matrices) or a regular
+    expression searched in parameter names."""
+    regex = None if pattern == "auto" else re.compile(pattern)
+
+    def is_lowrank(group: ParamGroup, name: str, p: torch.Tensor) -> bool:
+        return p.ndim == 2 and (group.rule.matrix if regex is None else regex.search(name) is not None)
+
     out, lowrank_names = [], []
     for g in groups:
-        low = [(n, p) for n, p in zip(g.names, g.params) if p.ndim == 2 and regex.search(n)]
-        full = [(n, p) for n, p in zip(g.names, g.params) if not (p.ndim == 2 and regex.search(n))]
+        low = [(n, p) for n, p in zip(g.names, g.params) if is_lowrank(g, n, p)]
+        full = [(n, p) for n, p in zip(g.names, g.params) if not is_lowrank(g, n, p)]
         for n, p in low:
             if rank > min(p.shape):
                 raise ConfigError(
@@ -44,7 +51,8 @@ def split_lowrank(groups: list[ParamGroup], pattern: str, rank: int) -> tuple[li
         if full:
             out.append({"params": [p for _, p in full], "rank": None, "name": g.rule.group, "decay": g.rule.weight_decay})
     if not lowrank_names:
-        raise ConfigError(f"strategy.lowrank_pattern {pattern!r} matches no 2-D parameter: nothing would be low-rank")
+        what = "no parameter group holds block matrices" if regex is None else f"{pattern!r} matches no 2-D parameter"
+        raise ConfigError(f"strategy.lowrank_pattern: {what}; nothing would be trained low-rank")
     return out, lowrank_names
 
 
@@ -69,10 +77,12 @@ def make_lowrank_optimizer(groups: list[ParamGroup], cfg, omega: float, error_fe
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source,
         basis_method=s.basis_method,
+        error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
     )
 
 
 class LoRDOStrategy(LocalUpdateStrategy):
+    optimizers: list[LowRankQHAdam]  # type: ignore[assignment]
     name = "lordo"
     default_average = "lowrank"
     projection = "global"
@@ -99,7 +109,7 @@ class LoRDOStrategy(LocalUpdateStrategy):
     def before_local_step(self) -> dict[str, float]:
         if self.projection == "global" and self.steps_done == 0:
             # the initial basis: the top-r basis of the first gradient, all-reduced once
-            grads = [[p.grad.detach().clone() for p in self.lowrank(w)] for w in range(len(self.models))]
+            grads = [[grad_of(p).detach().clone() for p in self.lowrank(w)] for w in range(len(self.models))]
             self.comm.all_reduce_mean(grads, tag="initial_basis_gradient")
             for i, g in enumerate(grads[0]):
                 basis = svd_basis(g, self.cfg.strategy.rank)
@@ -109,7 +119,7 @@ class LoRDOStrategy(LocalUpdateStrategy):
                     opt.set_basis(self.lowrank(w)[i], basis)
         elif self.projection == "local" and (self.steps_done + 1) % self.sync_every == 0:
             # lordo-local: the next bases come from each worker's own gradient at the sync step
-            self._local_grads = [[p.grad.detach().clone() for p in self.lowrank(w)] for w in range(len(self.models))]
+            self._local_grads = [[grad_of(p).detach().clone() for p in self.lowrank(w)] for w in range(len(self.models))]
         return {}
 
     @torch.no_grad()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from ..optim import captured_energy, overlap
+from ..optim import LowRankQHAdam, captured_energy, grad_of, overlap
 from .base import Strategy, clip_gradients, tensor_bytes
 from .lordo import make_lowrank_optimizer
 
 
 class LowRankDDPStrategy(Strategy):
+    optimizers: list[LowRankQHAdam]  # type: ignore[assignment]
     name = "lowrank-ddp"
 
     def __init__(self, models, groups, cfg, comm) -> None:
@@ -28,7 +29,7 @@ class LowRankDDPStrategy(Strategy):
 
     @torch.no_grad()
     def refresh_bases(self) -> dict[str, float]:
-        grads = [[p.grad.detach().clone() for p in low] for low in self.lowrank_sets]
+        grads = [[grad_of(p).detach().clone() for p in low] for low in self.lowrank_sets]
         self.comm.all_reduce_mean(grads, tag="basis_gradient")
         opt0 = self.optimizers[0]
         overlaps, outside, energy = [], 0.0, 0.0
@@ -58,7 +59,7 @@ class LowRankDDPStrategy(Strategy):
         projected = [
             [opt.project_gradient(p) for p in low] for opt, low in zip(self.optimizers, self.lowrank_sets)
         ]
-        payload = [proj + [p.grad for p in full] for proj, full in zip(projected, self.full_sets)]
+        payload = [proj + [grad_of(p) for p in full] for proj, full in zip(projected, self.full_sets)]
         self.comm.all_reduce_mean(payload, tag="projected_gradient")
         for w, opt in enumerate(self.optimizers):
             for group in opt.param_groups:

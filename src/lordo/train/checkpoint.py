@@ -218,6 +218,7 @@ RESUMABLE_CHANGES = {
     ("train", "eval_every"),
     ("train", "eval_batches"),
     ("train", "log_every"),
+    ("train", "log"),
     ("train", "device"),
     ("train", "compile"),
     ("train", "threads"),

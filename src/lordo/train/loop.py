@@ -1,4 +1,4 @@
-"""The training loop: sample → forward → backward → ``strategy.step`` → log → evaluate."""
+"""The training loop: sample → forward → backward → ``DistributedOptimizer.step`` → log → evaluate."""
 
 from __future__ import annotations
 
@@ -9,18 +9,19 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import torch
 
+from ..api import DistributedOptimizer
 from ..comm import make_communicator
 from ..config import Config
-from ..errors import ConfigError, NonFiniteError, Stopped
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
-from ..model import GPT, GPTConfig, format_groups, group_parameters
-from ..strategies import build_strategy
+from ..errors import ConfigError, NonFiniteError, Stopped
+from ..model import GPT, GPTConfig, format_groups
 from .checkpoint import Checkpointer, config_differences
 from .schedule import lr_factor
 
@@ -85,6 +86,15 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def _tensorboard(out: Path, start: int):
+    """A TensorBoard writer into OUT/tensorboard; on resume, events after the checkpoint's step are dropped."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ModuleNotFoundError:
+        raise ConfigError("train.log = tensorboard needs the tensorboard package: pip install 'lordo[tb]'") from None
+    return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
+
+
 def _noop(_: str) -> None:
     pass
 
@@ -110,7 +120,7 @@ class _SignalFlag:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "_SignalFlag":
+    def __enter__(self) -> _SignalFlag:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -160,15 +170,13 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         data = data_prep.load(data_prep.prepared_dir(cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction))
 
     models = [build_model(cfg, data.vocab_size).to(device) for _ in comm.local_ranks]
-    # identical seeds give identical replicas; the broadcast makes it so on mixed machines too
-    comm.broadcast([[p.data for p in m.parameters()] for m in models], tag="init")
-    groups = [group_parameters(m) for m in models]
+    # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
+    optimizer = DistributedOptimizer(models, cfg, comm)
     log(
         f"model: {cfg.model.preset}, {models[0].num_params():,} parameters, vocab {data.vocab_size}, device {device}; "
         f"strategy {cfg.strategy.name}, {comm.world_size} worker(s) on {type(comm).__name__}"
     )
-    log(format_groups(groups[0]))
-    strategy = build_strategy(cfg, models, groups, comm)
+    log(format_groups(optimizer.groups[0]))
     forwards = [torch.compile(m) if t.compile else m for m in models]
     samplers = [BatchSampler(data.train, cfg.model.seq_len, t.batch_size, t.seed, r, comm.world_size) for r in comm.local_ranks]
     val = eval_batches(data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
@@ -196,8 +204,9 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         for model, sampler, w in zip(models, samplers, workers, strict=True):
             model.load_state_dict(w["model"])
             sampler.load_state_dict(w["sampler"])
-        strategy.load_state_dict({"shared": shared["strategy"], "workers": [w["strategy"] for w in workers]})
-        comm.ledger.load_state_dict(shared["ledger"])
+        optimizer.load_state_dict(
+            {"shared": shared["strategy"], "workers": [w["strategy"] for w in workers], "ledger": shared["ledger"]}
+        )
         torch.set_rng_state(shared["rng"])
         start, train_s, skipped = int(meta["step"]), float(shared["train_s"]), int(shared["skipped"])
         diagnostics = {k: list(v) for k, v in shared["diagnostics"].items()}
@@ -206,9 +215,10 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         log(f"resuming from {checkpoints.latest_step_name()} at step {start}")
 
     def save_checkpoint(step: int) -> Path:
+        state = optimizer.state_dict()
         shared_state = {
-            "strategy": strategy.shared_state(),
-            "ledger": comm.ledger.state_dict(),
+            "strategy": state["shared"],
+            "ledger": state["ledger"],
             "rng": torch.get_rng_state(),
             "train_s": train_s,
             "skipped": skipped,
@@ -216,10 +226,9 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
             "val_loss": val_loss,
             "loss_window": [loss_sum, loss_n],  # the train_loss of the next metrics row averages over it
         }
-        worker_states = strategy.state_dict()["workers"]
         workers_state = [
             {"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
-            for m, smp, ws in zip(models, samplers, worker_states)
+            for m, smp, ws in zip(models, samplers, state["workers"])
         ]
         return checkpoints.save(step, config_dict, shared_state, workers_state)
 
@@ -241,11 +250,15 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         metrics = open(out / "metrics.jsonl", "a" if start else "w")
     else:
         metrics = open(os.devnull, "w")
+    board = _tensorboard(out, start) if main and t.log == "tensorboard" else None
 
     progress = Progress(t.steps, stream, every=max(t.log_every, t.steps // 20))
     if start == 0:
         val_loss = evaluate(models[0], val, device) if main else float("nan")
         metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "comm_bytes": 0}) + "\n")
+        if board is not None:
+            board.add_scalar("val_loss", val_loss, 0)
+            board.add_scalar("val_ppl", math.exp(val_loss), 0)
     wall0, train_s_at_start = time.perf_counter(), train_s
     loss_sum, loss_n = resumed_window
     try:
@@ -274,9 +287,9 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
                     log(f"step {step}: non-finite loss, step skipped on every worker ({skipped} so far)")
                 else:
                     try:
-                        stats = strategy.step(lr)
+                        stats = optimizer.step(lr)
                         if step == t.steps:
-                            stats.update(strategy.finish())
+                            stats.update(optimizer.finish())
                     except NonFiniteError as exc:
                         raise NonFiniteError(f"{exc}; last good checkpoint: {last_good()}") from None
                 train_s += time.perf_counter() - t0
@@ -303,6 +316,10 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
                     row["comm_bytes"] = comm.ledger.total_bytes
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
+                    if board is not None:
+                        for key, value in row.items():
+                            if key not in ("step", "synced") and isinstance(value, (int, float)) and math.isfinite(value):
+                                board.add_scalar(key, value, step)
                 if main:
                     tps = (step - start) * tokens_per_step / max(train_s - train_s_at_start, 1e-9)
                     text = f"loss {loss_value:.3f}  lr {lr:.2e}  {tps:,.0f} tok/s"
@@ -322,12 +339,14 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
                 val_loss = evaluate(models[0], val, device)
     finally:
         metrics.close()
+        if board is not None:
+            board.close()
 
     steps_done = t.steps
     ledger = comm.ledger
-    init = ledger.entries.get("broadcast:init")
     # what ddp would send over the same steps (plus the same initial broadcast); nothing with one worker
-    ddp_bytes = (steps_done * strategy.step_payload_bytes() + (init.bytes if init else 0)) if comm.world_size > 1 else 0
+    init = ledger.entries.get("broadcast:init")
+    ddp_bytes = steps_done * optimizer.strategy.step_payload_bytes() + (init.bytes if init else 0) if comm.world_size > 1 else 0
     compute_s = max(0.0, train_s - ledger.comm_s) / len(comm.local_ranks)  # per worker
     summary = {
         "strategy": cfg.strategy.name,
@@ -344,7 +363,7 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
         "wall_s": time.perf_counter() - wall0,
         "train_s": train_s,
         "tokens_per_s": steps_done * tokens_per_step / train_s,
-        "optimizer_state_bytes": strategy.state_bytes(),
+        "optimizer_state_bytes": optimizer.strategy.state_bytes(),
         "comm_bytes_total": ledger.total_bytes,
         "comm_bytes_per_step": ledger.total_bytes / steps_done,
         "comm_calls": ledger.total_calls,

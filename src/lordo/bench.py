@@ -1,0 +1,423 @@
+"""Benchmarks: ``lordo bench step|basis|memory|e2e|bytes``. Not part of the test suite.
+
+Every benchmark measures the things it compares side by side in one process, interleaved round by round
+(this matters on a shared, noisy machine), prints a table of medians, spreads and ratios, and writes the
+numbers to a JSON file. Peers (``galore-torch``, ``pytorch-optimizer``) are optional: install
+``lordo[bench]``; a missing peer is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import build_config
+from .errors import ConfigError
+
+
+def machine() -> dict[str, Any]:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(), "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_interleaved(fns: dict[str, Callable[[], None]], rounds: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured round-robin (a, b, c, a, b, c, ...) with a rotating
+    start so that no function always runs first after a pause."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(rounds):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1000)
+            else:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summarize(times: dict[str, list[float]], reference: str) -> list[dict[str, Any]]:
+    ref = statistics.median(times[reference])
+    rows = []
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4) if len(ts) >= 4 else [min(ts), statistics.median(ts), max(ts)]
+        med = statistics.median(ts)
+        rows.append({"name": name, "median_ms": 1000 * med, "p25_ms": 1000 * q[0], "p75_ms": 1000 * q[-1],
+                     "ratio": med / ref, "samples": len(ts)})
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    """``columns``: (key, header, format)."""
+    print(f"\n{title}")
+    cells = [[h for _, h, _ in columns]] + [[format(r[k], f) if r.get(k) is not None else "–" for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    print("| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for c in cells[1:]:
+        print("| " + " | ".join(x.ljust(w) for x, w in zip(c, widths)) + " |")
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine(), "command": " ".join(["lordo", *sys.argv[1:]]), **payload}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+# ------------------------------------------------------------------------------------------------------
+# the local optimizer step
+
+
+def _model_params(preset: str, device: torch.device, d_model: int | None = None, n_layers: int | None = None):
+    from .model import group_parameters
+    from .train.loop import build_model
+
+    overrides = [f'model.preset="{preset}"']
+    if d_model:
+        overrides += [f"model.d_model={d_model}", f"model.n_heads={max(1, d_model // 64)}"]
+    if n_layers:
+        overrides.append(f"model.n_layers={n_layers}")
+    cfg = build_config(overrides=overrides)
+    model = build_model(cfg, 4096 if d_model is None else 32000).to(device)
+    return model, group_parameters(model)
+
+
+def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.device, d_model: int | None = None,
+                   n_layers: int | None = None, peers: bool = True) -> dict[str, Any]:
+    """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients."""
+    from .strategies.lordo import make_lowrank_optimizer
+
+    model, groups = _model_params(preset, device, d_model, n_layers)
+    matrices = [p for g in groups if g.rule.matrix for p in g.params]
+    r = rank or min(min(p.shape) for p in matrices) // 8
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    grads = {n: (torch.randn(p.shape, generator=gen) * 1e-3).to(device) for n, p in model.named_parameters()}
+
+    def replica():
+        """A copy of the model with the fixed gradients; returns (its groups, its matrices, the rest)."""
+        from .model import group_parameters
+
+        m = copy.deepcopy(model)
+        for n, p in m.named_parameters():
+            p.grad = grads[n]
+        gs = group_parameters(m)
+        return gs, [p for g in gs if g.rule.matrix for p in g.params], [p for g in gs if not g.rule.matrix for p in g.params]
+
+    fns: dict[str, Callable[[], None]] = {}
+    skipped: dict[str, str] = {}
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    for label, fused in (("AdamW fused", True), ("AdamW foreach", False)):
+        if fused and device.type == "cpu" and not _fused_cpu_ok():
+            skipped[label] = "fused AdamW is not available for CPU in this torch"
+            continue
+        _, ms, os_ = replica()
+        optimizers[label] = torch.optim.AdamW(ms + os_, lr=1e-3, weight_decay=0.1, fused=fused or None,
+                                              foreach=None if fused else True)
+
+    cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
+    gs, _, _ = replica()
+    optimizers["lordo (LowRankQHAdam)"] = make_lowrank_optimizer(gs, cfg, omega=cfg.strategy.omega)
+
+    if peers:
+        huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from galore_torch import GaLoreAdamW
+            _, ms, os_ = replica()
+            optimizers["galore-torch GaLoreAdamW"] = GaLoreAdamW(
+                [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "proj_type": "std"},
+                 {"params": os_}], lr=1e-3, weight_decay=0.1, no_deprecation_warning=True)
+        except Exception as exc:  # ImportError, or its transformers / bitsandbytes imports failing
+            skipped["galore-torch GaLoreAdamW"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
+        try:
+            from pytorch_optimizer import GaLore
+
+            _, ms, os_ = replica()
+            optimizers["pytorch-optimizer GaLore"] = GaLore(
+                [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "projection_type": "std"},
+                 {"params": os_}], lr=1e-3, weight_decay=0.1)
+        except Exception as exc:
+            skipped["pytorch-optimizer GaLore"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
+
+    for name, opt in optimizers.items():
+        fns[name] = opt.step
+    times = time_interleaved(fns, rounds=rounds, warmup=3, device=device)
+    reference = "AdamW fused" if "AdamW fused" in times else "AdamW foreach"
+    rows = summarize(times, reference)
+    n_params = sum(p.numel() for p in model.parameters())
+    for row in rows:
+        row["state_bytes"] = _state_bytes(optimizers[row["name"]])
+    shape = f"{preset}" if d_model is None else f"d_model={d_model}, layers={n_layers}"
+    print_table(f"optimizer step, {shape} ({n_params:,} parameters, {len(matrices)} low-rank matrices at r = {r}), "
+                f"{device}, {rounds} rounds; ratio = median / {reference} median",
+                rows, [("name", "optimizer", "s"), ("median_ms", "median ms", ".2f"), ("p25_ms", "p25", ".2f"),
+                       ("p75_ms", "p75", ".2f"), ("ratio", f"× {reference}", ".2f"), ("state_bytes", "state bytes", ",")])
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    return {"preset": preset, "d_model": d_model, "n_layers": n_layers, "params": n_params, "rank": r,
+            "device": str(device), "rows": rows, "skipped": skipped}
+
+
+def _fused_cpu_ok() -> bool:
+    try:
+        p = torch.nn.Parameter(torch.zeros(2))
+        p.grad = torch.zeros(2)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (after its first step)."""
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                total += v.numel() * v.element_size()
+            elif hasattr(v, "ortho_matrix"):  # GaLore projectors hold their basis
+                m = v.ortho_matrix
+                tensors = m if isinstance(m, (list, tuple)) else [m]
+                total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------
+# basis refresh on real pseudo-gradients
+
+
+def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, workers: int = 4,
+                             batch_size: int = 4) -> list[dict[str, torch.Tensor]]:
+    """Train ``lordo`` on the simulator for ``steps`` steps (K = steps // 2, so two synchronisations) and
+    return, for each synchronisation, every low-rank matrix's averaged pseudo-gradient and its basis before."""
+    from .api import DistributedOptimizer
+    from .comm import SimCommunicator
+    from .data import prepare
+    from .data.sampler import BatchSampler
+    from .strategies import LoRDOStrategy
+    from .train.loop import build_model
+
+    cfg = build_config(overrides=[f'model.preset="{preset}"', 'strategy.name="lordo"', f"strategy.rank={rank}",
+                                  f"strategy.sync_every={max(1, steps // 2)}", f"dist.workers={workers}",
+                                  f"train.batch_size={batch_size}"])
+    data = prepare.ensure(data_dir, cfg.data.vocab_size, cfg.data.val_fraction, log=lambda _: None)
+    models = [build_model(cfg, data.vocab_size) for _ in range(workers)]
+    opt = DistributedOptimizer(models, cfg, SimCommunicator(workers))
+    strategy = opt.strategy
+    assert isinstance(strategy, LoRDOStrategy)
+    captured: list[dict[str, torch.Tensor]] = []
+    original = strategy.after_average
+
+    def capture(delta):
+        low = strategy.lowrank_index
+        bases = [strategy.optimizers[0].state[strategy.params[0][i]]["basis"].clone() for i in low]
+        captured.append({"deltas": [delta[i].detach().clone() for i in low], "bases": bases})
+        return original(delta)
+
+    strategy.after_average = capture  # type: ignore[method-assign]
+    samplers = [BatchSampler(data.train, cfg.model.seq_len, batch_size, 0, r, workers) for r in range(workers)]
+    for _ in range(steps):
+        for model, sampler in zip(models, samplers):
+            x, y = sampler.next()
+            model(x, y)[1].backward()
+        opt.step(3e-3)
+    return captured
+
+
+def _must(basis: torch.Tensor | None) -> torch.Tensor:
+    if basis is None:
+        raise RuntimeError("a basis computation failed")
+    return basis
+
+
+def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: str, iters: int = 2) -> dict[str, Any]:
+    from .optim import captured_energy, subspace_iteration_basis, svd_basis
+
+    print(f"training {preset} with lordo for {steps} steps on 4 simulated workers to capture pseudo-gradients ...")
+    syncs = capture_pseudo_gradients(preset, steps, rank, data_dir)
+    sync = syncs[-1]  # the second synchronisation: the previous basis is a real warm start
+    deltas, previous = sync["deltas"], sync["bases"]
+    def exact() -> None:
+        for d in deltas:
+            svd_basis(d, rank)
+
+    def warm() -> None:
+        for d, b in zip(deltas, previous):
+            subspace_iteration_basis(d, rank, b, iters=iters)
+
+    fns = {"exact SVD": exact, f"subspace iteration ({iters} it, warm)": warm}
+    times = time_interleaved(fns, rounds=rounds, warmup=1, device=torch.device("cpu"))
+    rows = summarize(times, "exact SVD")
+    exact_bases = [_must(svd_basis(d, rank)) for d in deltas]
+    approx = [_must(subspace_iteration_basis(d, rank, b, iters=iters)) for d, b in zip(deltas, previous)]
+    e_exact = [captured_energy(d, b) for d, b in zip(deltas, exact_bases)]
+    e_approx = [captured_energy(d, b) for d, b in zip(deltas, approx)]
+    e_old = [captured_energy(d, b) for d, b in zip(deltas, previous)]
+    ratio = [a / e if e > 0 else 1.0 for a, e in zip(e_approx, e_exact)]
+    rows[0]["energy_vs_exact"] = 1.0
+    rows[1]["energy_vs_exact"] = statistics.mean(ratio)
+    rows[1]["energy_vs_exact_min"] = min(ratio)
+    rows[0]["speedup"] = 1.0
+    rows[1]["speedup"] = rows[0]["median_ms"] / rows[1]["median_ms"]
+    shapes = sorted({tuple(d.shape) for d in deltas})
+    print_table(f"basis refresh of {len(deltas)} matrices {shapes} at r = {rank} ({preset}, the pseudo-gradients of "
+                f"the second synchronisation), {rounds} rounds",
+                rows, [("name", "method", "s"), ("median_ms", "median ms (all matrices)", ".2f"), ("p25_ms", "p25", ".2f"),
+                       ("p75_ms", "p75", ".2f"), ("speedup", "speed-up", ".1f"),
+                       ("energy_vs_exact", "captured energy / exact (mean)", ".4f"),
+                       ("energy_vs_exact_min", "min", ".4f")])
+    print(f"captured energy of the exact top-{rank}: mean {statistics.mean(e_exact):.4f}; of the previous basis "
+          f"(no refresh): mean {statistics.mean(e_old):.4f}")
+    return {"preset": preset, "rank": rank, "shapes": shapes, "rows": rows, "energy_exact": e_exact,
+            "energy_subspace": e_approx, "energy_previous": e_old}
+
+
+# ------------------------------------------------------------------------------------------------------
+# memory, end to end, bytes: short training runs in child processes
+
+
+def _run_child(args: list[str], out: Path) -> dict[str, Any]:
+    """``lordo train`` in a child process; returns its summary plus the child's peak RSS."""
+    cmd = [sys.executable, "-c", "import resource, sys, runpy; sys.argv = ['lordo'] + sys.argv[1:]; "
+           "from lordo.cli import main; code = main(); "
+           "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(code)",
+           "train", "--out", str(out), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    for line in done.stderr.splitlines():
+        if line.startswith("PEAK_RSS_KB"):
+            summary["peak_rss_bytes"] = int(line.split()[1]) * 1024
+    return summary
+
+
+STRATEGIES = ("ddp", "local-adam", "lowrank-ddp", "lordo", "lordo-local", "lordo-global-noqh")
+
+
+def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size: int, out_dir: Path,
+                   strategies: tuple[str, ...] = STRATEGIES, extra: tuple[str, ...] = (), repeats: int = 2) -> dict[str, Any]:
+    """Short runs of every strategy in child processes, ``repeats`` times round-robin (ddp, lordo, ..., ddp,
+    lordo, ...) so that drift in the machine's speed hits all alike: memory (optimizer state, peak RSS),
+    median tokens/s, bytes per step."""
+    summaries: dict[str, list[dict[str, Any]]] = {name: [] for name in strategies}
+    for rep in range(repeats):
+        for name in strategies:
+            args = ["--model", preset, "--steps", str(steps), "--strategy", name, "--rank", str(rank),
+                    "--workers", str(workers), "--backend", "sim", "--set", f"train.batch_size={batch_size}",
+                    "--set", "train.eval_every=100000", "--set", "train.eval_batches=1", "--set", "train.checkpoint_every=0",
+                    "--set", f"schedule.warmup_steps={max(1, steps // 10)}", *extra]
+            summaries[name].append(_run_child(args, out_dir / f"{name}-{rep}"))
+    rows = []
+    for name, runs in summaries.items():
+        s = runs[0]
+        state = sum(s["optimizer_state_bytes"].values())
+        rss = [r["peak_rss_bytes"] for r in runs if r.get("peak_rss_bytes")]
+        rows.append({"name": name, "state_bytes": state, "state_ratio": state / (8 * s["params"]),
+                     "by_category": s["optimizer_state_bytes"], "peak_rss_bytes": max(rss) if rss else None,
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                     "tokens_per_s_all": [r["tokens_per_s"] for r in runs],
+                     "comm_bytes_per_step": s["comm_bytes_per_step"],
+                     "comm_ratio": s["comm_ratio_to_ddp"], "modeled_wall_s": s["modeled_wall_s"], "val_ppl": s["val_ppl"]})
+    ref = next(r for r in rows if r["name"] == "ddp") if "ddp" in strategies else rows[0]
+    for r in rows:
+        r["tokens_per_s_ratio"] = r["tokens_per_s"] / ref["tokens_per_s"]
+        r["rss_ratio"] = (r["peak_rss_bytes"] / ref["peak_rss_bytes"]) if r.get("peak_rss_bytes") and ref.get("peak_rss_bytes") else None
+        r["bytes_less"] = 1 / r["comm_ratio"] if r["comm_ratio"] else None
+    return {"preset": preset, "steps": steps, "rank": rank, "workers": workers, "batch_size": batch_size, "rows": rows}
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="lordo bench", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True, metavar="BENCH")
+    s = sub.add_parser("step", help="optimizer step: lordo vs AdamW (fused, foreach) and the GaLore peers")
+    s.add_argument("--preset", default="small")
+    s.add_argument("--d-model", type=int, help="a custom width instead of the preset's (e.g. 768 for a 125M shape)")
+    s.add_argument("--layers", type=int, help="a custom depth (with --d-model)")
+    s.add_argument("--rank", type=int, help="default: min(p, q)/8 of the smallest low-rank matrix")
+    s.add_argument("--rounds", type=int, default=30)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--no-peers", action="store_true")
+    b = sub.add_parser("basis", help="basis refresh: exact SVD vs warm-started subspace iteration on real pseudo-gradients")
+    b.add_argument("--preset", default="micro")
+    b.add_argument("--rank", type=int, default=16)
+    b.add_argument("--steps", type=int, default=32, help="training steps (two synchronisations)")
+    b.add_argument("--iters", type=int, default=2)
+    b.add_argument("--rounds", type=int, default=20)
+    r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
+    r.add_argument("--preset", default="micro")
+    r.add_argument("--steps", type=int, default=64)
+    r.add_argument("--rank", type=int, default=16)
+    r.add_argument("--workers", type=int, default=4)
+    r.add_argument("--batch-size", type=int, default=8)
+    r.add_argument("--strategies", default=",".join(STRATEGIES))
+    r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    for q in (s, b, r):
+        q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
+        q.add_argument("--data-dir", default="data")
+    args = ap.parse_args(argv)
+    out = Path(args.json) if args.json else None
+    if args.what == "step":
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda: torch sees no CUDA device")
+        res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers)
+        shape = args.preset if not args.d_model else f"d{args.d_model}"
+        write_json(out or Path(f"benchmarks/results/step-{shape}-{device.type}.json"), res)
+    elif args.what == "basis":
+        res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters)
+        write_json(out or Path(f"benchmarks/results/basis-{args.preset}.json"), res)
+    else:
+        import tempfile
+
+        strategies = tuple(x for x in args.strategies.split(",") if x)
+        extra = tuple(x for kv in args.set for x in ("--set", kv)) + ("--data-dir", args.data_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            res = runs_benchmark(args.preset, args.steps, args.rank, args.workers, args.batch_size, Path(tmp), strategies,
+                                 extra, args.repeats)
+        print_table(f"short runs ({args.preset}, {args.workers} simulated workers, {args.steps} steps, batch {args.batch_size}, "
+                    f"r = {args.rank}), {args.repeats} per strategy round-robin in child processes; tokens/s: median",
+                    res["rows"], [("name", "strategy", "s"), ("state_bytes", "optimizer state B", ","),
+                                  ("state_ratio", "× AdamW", ".2f"), ("peak_rss_bytes", "peak RSS B", ","),
+                                  ("rss_ratio", "× ddp", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
+                                  ("tokens_per_s_ratio", "× ddp", ".2f"), ("comm_bytes_per_step", "bytes/step", ",.0f"),
+                                  ("bytes_less", "× less than ddp", ".1f")])
+        write_json(out or Path(f"benchmarks/results/runs-{args.preset}.json"), res)
+    return 0

@@ -1,0 +1,167 @@
+"""The library API: a user's own loop with lordo.distributed equals our trainer; generic models; errors."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lordo
+from lordo.config import build_config, tomllib
+from lordo.data import prepare
+from lordo.data.sampler import BatchSampler
+from lordo.errors import ConfigError
+from lordo.model.params import group_by_module
+from lordo.train.loop import build_model, train
+from lordo.train.schedule import lr_factor
+
+from harness import run_gloo
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ["model.preset=nano", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=100",
+            "schedule.warmup_steps=2", "strategy.sync_every=3", "strategy.rank=4", "train.steps=8",
+            "train.checkpoint_every=0", "optim.lr=0.004"]
+
+
+def trainer_config(data_dir, strategy, workers):
+    return build_config(overrides=[*SETTINGS, f'strategy.name="{strategy}"', f"dist.workers={workers}",
+                                   f"data.dir={json.dumps(str(data_dir))}"])
+
+
+def user_loop(data_dir, strategy, workers, backend):
+    """What a user writes: their model, their batches, their lr schedule, and lordo.distributed."""
+    cfg = trainer_config(data_dir, strategy, workers)
+    data = prepare.load(prepare.prepared_dir(data_dir, 4096, 0.05))
+    hosted = range(workers) if backend == "sim" else [int(os.environ["RANK"])]
+    models = [build_model(cfg, data.vocab_size) for _ in hosted]
+    opt = lordo.distributed(models if backend == "sim" else models[0], strategy, lr=cfg.optim.lr, backend=backend,
+                            rank=4, sync_every=3)
+    samplers = [BatchSampler(data.train, cfg.model.seq_len, 4, cfg.train.seed, r, workers) for r in hosted]
+    for step in range(1, cfg.train.steps + 1):
+        for model, sampler in zip(models, samplers):
+            x, y = sampler.next()
+            model(x, y)[1].backward()
+        opt.step(lr=cfg.optim.lr * lr_factor(step - 1, cfg.train.steps, cfg.schedule))
+    opt.finish()
+    result = ({k: v.clone() for k, v in models[0].state_dict().items()}, opt.comm_report(), opt.memory_report())
+    opt.close()
+    return result
+
+
+def trainer_run(data_dir, tmp_path, strategy, workers):
+    out = tmp_path / f"trainer-{strategy}"
+    summary = train(trainer_config(data_dir, strategy, workers), out, log=lambda _: None, stream=open(os.devnull, "w"))
+    return torch.load(out / "model.pt", weights_only=True), summary
+
+
+@pytest.mark.parametrize("strategy", ["lordo", "ddp"])
+def test_user_loop_on_the_simulator_equals_the_trainer_bitwise(data_dir, tmp_path, strategy):
+    expected, summary = trainer_run(data_dir, tmp_path, strategy, 2)
+    state, comm, memory = user_loop(data_dir, strategy, 2, "sim")
+    for k in expected:
+        assert torch.equal(state[k], expected[k]), k
+    assert comm["bytes_total"] == summary["comm_bytes_total"]
+    assert comm["ratio_to_ddp"] == pytest.approx(summary["comm_ratio_to_ddp"])
+    assert {k: v for k, v in memory.items() if k not in ("total", "adamw")} == summary["optimizer_state_bytes"]
+    assert memory["adamw"] == 8 * summary["params"]
+
+
+def test_user_loop_on_gloo_processes_equals_the_trainer(data_dir, tmp_path):
+    expected, summary = trainer_run(data_dir, tmp_path, "lordo", 2)
+    results = run_gloo(user_loop, 2, data_dir, "lordo", 2, "auto")
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        state, comm, _ = value
+        for k in expected:
+            torch.testing.assert_close(state[k], expected[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert comm["bytes_total"] == summary["comm_bytes_total"]
+
+
+def test_one_worker_ddp_on_any_model_is_torch_adamw():
+    """Degenerate case: one worker, ddp, no clipping == torch.optim.AdamW with decay on matrices only."""
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 50))
+
+    ours, ref = make(), make()
+    opt = lordo.distributed(ours, "ddp", lr=1e-2, weight_decay=0.1, grad_clip=0.0, beta2=0.99)
+    decay = [p for n, p in ref.named_parameters() if p.ndim == 2]
+    no_decay = [p for n, p in ref.named_parameters() if p.ndim < 2]
+    adamw = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.99), eps=opt.cfg.optim.eps)
+    tokens = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(1))
+    for _ in range(5):
+        for model in (ours, ref):
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        adamw.step()
+        adamw.zero_grad()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert opt.world_size == 1 and opt.ledger.total_bytes == 0
+
+
+def test_module_grouping_of_a_generic_model():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, 16)
+            self.pos = nn.Embedding(16, 16)  # as many entries as the width: not a reason to call 16x16 layers heads
+            self.q = nn.Linear(16, 16, bias=False)
+            self.up = nn.Linear(16, 48)
+            self.norm = nn.LayerNorm(16)
+            self.conv = nn.Conv1d(16, 16, 3)
+            self.mha = nn.MultiheadAttention(16, 2, bias=False)
+            self.head = nn.Linear(16, 100, bias=False)
+
+    groups = {g.rule.group: g.names for g in group_by_module(Tiny())}
+    assert groups == {
+        "block_matrix": ["q.weight", "up.weight", "mha.in_proj_weight", "mha.out_proj.weight"],
+        "embedding": ["embed.weight", "pos.weight", "head.weight"],
+        "other_matrix": ["conv.weight"],
+        "norm_bias": ["up.bias", "norm.weight", "norm.bias", "conv.bias"],
+    }
+    opt = lordo.distributed(Tiny(), "lordo", rank=4)
+    lowrank = {id(p) for p, _ in opt.strategy.optimizers[0].lowrank_params()}
+    model = opt.models[0]
+    assert lowrank == {id(p) for p in (model.q.weight, model.up.weight, model.mha.in_proj_weight, model.mha.out_proj.weight)}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "lordoo"}, r"strategy must be one of ddp, local-adam, lordo, .*got 'lordoo'"),
+    ({"ranks": 4}, r"unknown option 'ranks'; options are strategy keys \(.*rank.*\) or optim keys"),
+    ({"rank": 40}, r"strategy.rank must be in \[1, 16\] for 0.weight"),
+    ({"omega": 1.5}, r"strategy.omega must be in \[0, 1\]"),
+    ({"backend": "mpi"}, r"backend must be one of auto, sim, gloo, nccl, got 'mpi'"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, message):
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with pytest.raises(ConfigError, match=message):
+        lordo.distributed(model, **kwargs)
+
+
+def test_several_replicas_need_the_simulator():
+    with pytest.raises(ConfigError, match="list of replicas"):
+        lordo.distributed([])
+    opt = lordo.distributed([nn.Linear(8, 8), nn.Linear(8, 8)], "local-adam", backend="sim")
+    assert opt.world_size == 2
+    torch.testing.assert_close(opt.models[1].weight, opt.models[0].weight)  # replicas start equal
+
+
+def test_public_api_is_what_init_lists():
+    import importlib
+
+    module = importlib.import_module("lordo")
+    public = {name for name in dir(module) if not name.startswith("_")} - {
+        "api", "comm", "config", "data", "errors", "model", "optim", "strategies", "train", "experiments", "cli",
+        "launch",
+    }
+    assert public == set(lordo.__all__) - {"__version__"}
+    for name in lordo.__all__:
+        assert getattr(lordo, name) is not None
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == lordo.__version__

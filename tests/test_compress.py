@@ -1,0 +1,142 @@
+"""Compressed synchronisations (bf16, int8 per row) with error feedback, and the bf16 error-feedback buffer."""
+
+import pytest
+import torch
+
+from lordo.comm import SimCommunicator
+from lordo.comm.compress import dequantize_int8_rows, int8_payload_bytes, quantize_int8_rows
+from lordo.errors import ConfigError
+from lordo.model import group_parameters
+from lordo.optim import LowRankQHAdam
+from lordo.strategies import build_strategy
+
+from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
+
+
+def test_int8_rows_error_is_at_most_half_a_step_and_zero_rows_stay_zero():
+    torch.manual_seed(0)
+    x = torch.randn(7, 13) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different magnitudes
+    x[3] = 0
+    q, scale = quantize_int8_rows(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape and scale.shape == (7,)
+    expected_scale = x.abs().amax(dim=1) / 127  # by hand: the largest element of a row maps to ±127
+    torch.testing.assert_close(scale, expected_scale)
+    err = (dequantize_int8_rows(q, scale) - x).abs()
+    assert bool((err <= scale[:, None] / 2 * (1 + 1e-6) + 1e-30).all())
+    assert bool((q[3] == 0).all())
+    assert int(q.abs().amax(dim=1)[torch.arange(7) != 3].min()) == 127
+    v = torch.tensor([0.5, -1.0, 0.25])  # a vector is one row
+    q, scale = quantize_int8_rows(v)
+    assert q.tolist() == [64, -127, 32] and scale.tolist() == pytest.approx([1 / 127])
+    assert int8_payload_bytes(torch.zeros(7, 13)) == 7 * 13 + 4 * 7
+
+
+def two_workers(compress, feedback=True, steps=8, name="lordo"):
+    comm = SimCommunicator(2)
+    cfg = strategy_config(name, ["strategy.sync_every=4", "strategy.rank=4", f'strategy.compress="{compress}"',
+                                 f"strategy.compress_feedback={str(feedback).lower()}"])
+    return run_strategy(comm, cfg, steps)
+
+
+def test_error_feedback_delivers_everything_over_rounds():
+    """Per worker: what was sent (dequantised) over the rounds plus what is still held back equals the sum of
+    the pseudo-gradients it had to send. Driven directly on one tensor, 5 rounds."""
+    comm = SimCommunicator(2)
+    model = tiny_model()
+    cfg = strategy_config("local-adam", ['strategy.compress="int8"'])
+    strategy = build_strategy(cfg, [model, tiny_model()], [group_parameters(model), group_parameters(tiny_model())], comm)
+    torch.manual_seed(5)
+    shapes = [p.shape for p in strategy.params[0]]
+    inputs = [[[torch.randn(s) for s in shapes] for _ in range(2)] for _ in range(5)]
+    sent_sum = [[torch.zeros(s) for s in shapes] for _ in range(2)]
+    mean_sum = [torch.zeros(s) for s in shapes]
+    for round_inputs in inputs:
+        pseudo = [[t.clone() for t in w] for w in round_inputs]
+        before = [[e.clone() for e in w] for w in strategy.compression_error]
+        strategy.average_pseudo_gradients(pseudo)
+        for w in range(2):
+            for i in range(len(shapes)):
+                sent_sum[w][i] += round_inputs[w][i] + before[w][i] - strategy.compression_error[w][i]
+        for i in range(len(shapes)):
+            mean_sum[i] += pseudo[0][i]
+            torch.testing.assert_close(pseudo[1][i], pseudo[0][i], rtol=0, atol=0)  # both workers agree exactly
+    for i in range(len(shapes)):
+        total_in = sum(inputs[k][w][i] for k in range(5) for w in range(2)) / 2
+        held_back = (strategy.compression_error[0][i] + strategy.compression_error[1][i]) / 2
+        # everything averaged so far plus what is held back is the exact mean of all inputs
+        torch.testing.assert_close(mean_sum[i] + held_back, total_in, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mean_sum[i], (sent_sum[0][i] + sent_sum[1][i]) / 2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compress", ["bf16", "int8"])
+def test_compressed_lordo_stays_close_to_uncompressed_and_counts_its_bytes(compress):
+    params, ledger = two_workers(compress)
+    reference, ref_ledger = two_workers("none")
+    for a, b in zip(params, reference):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)
+    n = sum(p.numel() for p in tiny_model().parameters())
+    if compress == "int8":
+        per_round = sum(int8_payload_bytes(p) for p in tiny_model().parameters())
+        assert ledger["all_gather:pseudo_gradient_int8"] == {"calls": 2, "bytes": 2 * per_round, "tensors": 2 * 2 * len(params)}
+    else:
+        assert ledger["all_reduce:pseudo_gradient_bf16"]["bytes"] == 2 * 2 * n
+    assert ref_ledger["all_reduce:pseudo_gradient"]["bytes"] == 2 * 4 * n
+    assert ledger["all_reduce:exp_avg_bf16"]["bytes"] * 2 == ref_ledger["all_reduce:exp_avg"]["bytes"]
+
+
+def test_compression_on_gloo_matches_the_simulator():
+    sim, sim_ledger = two_workers("int8", steps=8)
+    results = run_gloo(gloo_strategy_worker, 2, "lordo",
+                       ["strategy.sync_every=4", "strategy.rank=4", 'strategy.compress="int8"'], 8)
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok", value
+        params, ledger = value
+        for a, b in zip(params, sim):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert ledger == sim_ledger
+
+
+def test_compression_state_survives_a_state_dict_round_trip():
+    comm = SimCommunicator(2)
+    cfg = strategy_config("lordo", ["strategy.sync_every=4", "strategy.rank=4", 'strategy.compress="int8"'])
+    models = [tiny_model(), tiny_model()]
+    strategy = build_strategy(cfg, models, [group_parameters(m) for m in models], comm)
+    for step in range(5):
+        for rank, m in enumerate(models):
+            m(*batch(rank, step))[1].backward()
+        strategy.step(1e-2)
+    state = strategy.state_dict()
+    assert any(bool(e.abs().sum() > 0) for e in state["workers"][1]["compression_error"])
+    models2 = [tiny_model(), tiny_model()]
+    other = build_strategy(cfg, models2, [group_parameters(m) for m in models2], SimCommunicator(2))
+    other.load_state_dict(state)
+    for a, b in zip(other.compression_error[1], strategy.compression_error[1]):
+        assert torch.equal(a, b)
+    assert strategy.state_bytes()["compression_feedback"] == 4 * sum(p.numel() for p in models[0].parameters())
+
+
+def test_compress_needs_a_local_update_strategy():
+    with pytest.raises(ConfigError, match="strategy.compress applies to the synchronisations of local-adam"):
+        strategy_config("ddp", ['strategy.compress="int8"'])
+    with pytest.raises(ConfigError, match=r"strategy.compress must be one of 'none', 'bf16', 'int8', got 'fp8'"):
+        strategy_config("lordo", ['strategy.compress="fp8"'])
+
+
+def test_bf16_error_feedback_buffer_halves_the_state_and_tracks_the_fp32_one():
+    torch.manual_seed(2)
+    w32, w16 = (torch.nn.Parameter(torch.randn(24, 10)) for _ in range(2))
+    with torch.no_grad():
+        w16.copy_(w32)
+    opt32 = LowRankQHAdam([{"params": [w32], "rank": 3}], lr=1e-2, omega=0.9)
+    opt16 = LowRankQHAdam([{"params": [w16], "rank": 3}], lr=1e-2, omega=0.9, error_feedback_dtype=torch.bfloat16)
+    for _ in range(4):
+        g = torch.randn(24, 10)
+        w32.grad, w16.grad = g.clone(), g.clone()
+        opt32.step()
+        opt16.step()
+    e16, e32 = opt16.state[w16]["error_feedback"], opt32.state[w32]["error_feedback"]
+    assert e16.dtype == torch.bfloat16
+    torch.testing.assert_close(e16.float(), e32, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-4)
+    assert opt16.state_bytes()["error_feedback"] * 2 == opt32.state_bytes()["error_feedback"] == 24 * 10 * 4
