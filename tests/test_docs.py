@@ -151,6 +151,11 @@ def test_shell_commands_run_or_parse(page, data_dir, tmp_path):
                 continue
             assert exe == "lordo", f"{page_id(page)}: teach tests/test_docs.py about this command: {line}"
             sub = argv[1]
+            if sub == "bench":  # minutes each: the arguments must parse; tests/test_bench.py runs them small
+                from lordo.bench import make_parser
+
+                make_parser().parse_args(argv[2:])
+                continue
             if sub == "train":
                 if "--help" not in argv:
                     _validate_train(argv[2:])

@@ -8,6 +8,7 @@ numbers to a JSON file. Peers (``galore-torch``, ``pytorch-optimizer``) are opti
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -361,9 +362,7 @@ def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size:
     return {"preset": preset, "steps": steps, "rank": rank, "workers": workers, "batch_size": batch_size, "rows": rows}
 
 
-def main(argv: list[str]) -> int:
-    import argparse
-
+def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lordo bench", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True, metavar="BENCH")
     s = sub.add_parser("step", help="optimizer step: lordo vs AdamW (fused, foreach) and the GaLore peers")
@@ -392,7 +391,11 @@ def main(argv: list[str]) -> int:
     for q in (s, b, r):
         q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
         q.add_argument("--data-dir", default="data")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = make_parser().parse_args(argv)
     out = Path(args.json) if args.json else None
     if args.what == "step":
         device = torch.device(args.device)
