@@ -1,0 +1,25 @@
+"""`pip install .` gets a wheel with the whole package, its type marker, the CLI entry point and the extras."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_holds_the_package_the_entry_point_and_the_extras(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                           "-w", str(tmp_path), "-q"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("lordo-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src" / "lordo").rglob("*.py")}
+    assert sources <= names
+    assert "lordo/py.typed" in names
+    info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "lordo = lordo.cli:main" in zipfile.ZipFile(wheel).read(info).decode()
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    for extra in ("report", "tb", "hf", "bench", "dev"):
+        assert f"Provides-Extra: {extra}" in meta
+    assert "License-Expression: Apache-2.0" in meta
