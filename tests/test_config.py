@@ -1,6 +1,6 @@
 import pytest
 
-from lordo.config import build_config, describe, parse_override
+from lordo.config import STRATEGY_NAMES, build_config, describe, parse_override
 from lordo.errors import ConfigError
 
 
@@ -22,7 +22,7 @@ def test_toml_file_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optim.lr=-1", r"optim.lr must be > 0, got -1.0"),
+        ("optim.lr=-1", r"optim.lr must be >= 0, got -1.0"),
         ("model.preset=huge", r"model.preset must be one of 'nano', 'micro', 'small', 'paper-16m', got 'huge'"),
         ("optim.learning_rate=1", r"unknown config key optim.'learning_rate'; keys of \[optim\] are: lr, beta1"),
         ("trainer.steps=3", r"unknown config section 'trainer'; sections are: model, data"),
@@ -62,4 +62,15 @@ def test_override_values_are_parsed_as_toml():
 
 def test_describe_lists_every_key():
     text = describe()
-    assert "optim.lr = 0.003" in text and "schedule.kind" in text and "one of: cosine, wsd, constant" in text
+    assert "optim.lr = 0.0  -- peak learning rate; 0 = the strategy's default" in text and "schedule.kind" in text and "one of: cosine, wsd, constant" in text
+
+
+def test_default_lr_is_the_strategys_tuned_one_and_an_explicit_lr_wins():
+    from lordo.config import DEFAULT_LR
+
+    assert build_config(overrides=['strategy.name="ddp"']).optim.lr == 3e-3
+    assert build_config(overrides=['strategy.name="lordo"']).optim.lr == 6e-3
+    assert build_config(overrides=['strategy.name="lordo"', "optim.lr=1e-3"]).optim.lr == 1e-3
+    assert set(DEFAULT_LR) == set(STRATEGY_NAMES)
+    with pytest.raises(ConfigError, match="optim.lr must be >= 0"):
+        build_config(overrides=["optim.lr=-1"])

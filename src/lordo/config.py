@@ -82,7 +82,9 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = _f(3e-3, "peak learning rate", _positive)
+    lr: float = _f(0.0, "peak learning rate; 0 = the strategy's default: 3e-3 for ddp and local-adam (AdamW), 6e-3 for "
+                   "lordo, lordo-local, lordo-global-noqh and lowrank-ddp (the better of 3e-3 and 6e-3 for each on "
+                   "micro, sweeps/lr.toml)", _non_negative)
     beta1: float = _f(0.9, "Adam beta1", _unit_open)
     beta2: float = _f(0.999, "Adam beta2", _unit_open)
     eps: float = _f(1e-8, "Adam epsilon", _positive)
@@ -119,6 +121,9 @@ class TrainConfig:
                            "the step on every worker", _choice("stop", "skip"))
 
 
+# optim.lr = 0 resolves to these: the better of {3e-3, 6e-3} for each strategy on micro (docs/results.md)
+DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 6e-3, "lordo-local": 6e-3, "lordo-global-noqh": 6e-3,
+              "lowrank-ddp": 6e-3}
 STRATEGY_NAMES = ("ddp", "local-adam", "lordo", "lordo-global-noqh", "lordo-local", "lowrank-ddp")
 
 
@@ -338,6 +343,8 @@ def build_config(
         sections[section] = cls(**values)
     cfg = Config(**sections)
     validate(cfg)
+    if cfg.optim.lr == 0:
+        cfg.optim.lr = DEFAULT_LR[cfg.strategy.name]
     return cfg
 
 
