@@ -16,7 +16,7 @@ test: lint data
 
 # style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples tools
 	$(BIN)/mypy
 
 install: $(STAMP)
