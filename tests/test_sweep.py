@@ -55,7 +55,7 @@ def test_cases_pair_settings_and_multiply_the_grid(tmp_path):
     ('[grid]\n"optim.learning_rate" = [1]\n', r"point learning_rate-1: unknown config key optim.'learning_rate'"),
     ('[grid]\n"optim.lr" = []\n', r"grid key 'optim.lr' must list at least one value"),
     ('[grids]\n', r"unknown tables \['grids'\]"),
-    ('[grid]\n"optim.lr" = [-1.0]\n', r"optim.lr must be > 0"),
+    ('[grid]\n"optim.lr" = [-1.0]\n', r"optim.lr must be >= 0"),
 ])
 def test_bad_sweep_files_fail_before_running(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):

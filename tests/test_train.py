@@ -63,7 +63,7 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lordo.cli", "train", "--set", "optim.lr=-1", "--out", str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 2
-    assert done.stderr.strip() == "lordo: error: optim.lr must be > 0, got -1.0"
+    assert done.stderr.strip() == "lordo: error: optim.lr must be >= 0, got -1.0"
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["data", "--help"], ["data", "prepare", "--help"]])
