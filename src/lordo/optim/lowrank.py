@@ -23,24 +23,18 @@ def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis:
     With ``error`` None (error feedback off) this is g = proj(G)."""
     if error is None:
         return project(grad, basis if basis.dtype == grad.dtype else basis.to(grad.dtype), side)
-    if error.dtype != grad.dtype:  # a low-precision buffer: form A = G + E at the gradient's precision
-        a = grad + error.to(grad.dtype)
-        basis = basis if basis.dtype == a.dtype else basis.to(a.dtype)
-        g = project(a, basis, side)
-        if side == RIGHT:
-            a.addmm_(g, basis.T, alpha=-1)
-        else:
-            a.addmm_(basis, g, alpha=-1)
-        error.copy_(a)
-        return g
-    error.add_(grad)  # E now holds A = G + E
-    basis = basis if basis.dtype == error.dtype else basis.to(error.dtype)
-    g = project(error, basis, side)
+    # A = G + E, in the buffer itself, or at the gradient's precision when the buffer is low-precision
+    low_precision = error.dtype != grad.dtype
+    a = grad + error.to(grad.dtype) if low_precision else error.add_(grad)
+    basis = basis if basis.dtype == a.dtype else basis.to(a.dtype)
+    g = project(a, basis, side)
     # E ← A − back(g) as one fused GEMM (no full-size temporary)
     if side == RIGHT:
-        error.addmm_(g, basis.T, alpha=-1)
+        a.addmm_(g, basis.T, alpha=-1)
     else:
-        error.addmm_(basis, g, alpha=-1)
+        a.addmm_(basis, g, alpha=-1)
+    if low_precision:
+        error.copy_(a)
     return g
 
 
