@@ -3,6 +3,7 @@ and a way to run the same function as N gloo processes."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -65,6 +66,18 @@ def _entry(fn, rank, world, port, queue, args):
         queue.put((rank, "ok", buf.getvalue()))
     except BaseException as exc:  # report, do not hang the parent
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the simulator with one intra-op thread, like the gloo workers (``_entry``): GEMM results depend on
+    the thread count in their last bits, so only then can simulator and gloo be compared bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> dict:

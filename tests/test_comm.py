@@ -13,7 +13,7 @@ from lordo.model import group_parameters
 from lordo.model.params import ParamGroup, ParamRule
 from lordo.strategies import build_strategy
 
-from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
+from harness import batch, gloo_strategy_worker, one_thread, run_gloo, run_strategy, strategy_config, tiny_model
 
 
 def test_sim_all_reduce_mean_and_broadcast_are_exact():
@@ -192,7 +192,8 @@ def test_ledger_bytes_equal_the_analytic_payload():
 ])
 def test_simulator_and_gloo_give_the_same_parameters(name, overrides, world):
     steps = 7
-    sim_params, sim_ledger = run_strategy(SimCommunicator(world), strategy_config(name, overrides), steps)
+    with one_thread():
+        sim_params, sim_ledger = run_strategy(SimCommunicator(world), strategy_config(name, overrides), steps)
     results = run_gloo(gloo_strategy_worker, world, name, overrides, steps)
     assert all(status == "ok" for status, _ in results.values()), results
     for rank in range(world):

@@ -10,7 +10,7 @@ from lordo.model import group_parameters
 from lordo.optim import LowRankQHAdam
 from lordo.strategies import build_strategy
 
-from harness import batch, gloo_strategy_worker, run_gloo, run_strategy, strategy_config, tiny_model
+from harness import batch, gloo_strategy_worker, one_thread, run_gloo, run_strategy, strategy_config, tiny_model
 
 
 def test_int8_rows_error_is_at_most_half_a_step_and_zero_rows_stay_zero():
@@ -85,7 +85,8 @@ def test_compressed_lordo_stays_close_to_uncompressed_and_counts_its_bytes(compr
 
 
 def test_compression_on_gloo_matches_the_simulator():
-    sim, sim_ledger = two_workers("int8", steps=8)
+    with one_thread():  # bit for bit: int8 rounding would amplify a last-bit difference into a quantum
+        sim, sim_ledger = two_workers("int8", steps=8)
     results = run_gloo(gloo_strategy_worker, 2, "lordo",
                        ["strategy.sync_every=4", "strategy.rank=4", 'strategy.compress="int8"'], 8)
     for rank in (0, 1):
@@ -93,7 +94,7 @@ def test_compression_on_gloo_matches_the_simulator():
         assert status == "ok", value
         params, ledger = value
         for a, b in zip(params, sim):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert ledger == sim_ledger
 
 
@@ -135,7 +136,7 @@ def test_bf16_error_feedback_buffer_halves_the_state_and_tracks_the_fp32_one():
         w32.grad, w16.grad = g.clone(), g.clone()
         opt32.step()
         opt16.step()
-    e16, e32 = opt16.state[w16]["error_feedback"], opt32.state[w32]["error_feedback"]
+    e16, e32 = opt16.error_feedback(w16), opt32.error_feedback(w32)
     assert e16.dtype == torch.bfloat16
     torch.testing.assert_close(e16.float(), e32, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-4)

@@ -196,7 +196,7 @@ def test_bad_options_are_refused(kwargs, message):
         LowRankQHAdam([torch.nn.Parameter(torch.zeros(9, 5))], **kwargs)
 
 
-def test_state_dict_is_tensors_only_and_round_trips_with_weights_only():
+def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit():
     model, twin = mlp(), mlp()
     mats, vecs = matrices_and_vectors(model)
 
@@ -228,7 +228,9 @@ def test_state_dict_is_tensors_only_and_round_trips_with_weights_only():
             o.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
-    assert set(opt.state_dict()["state"][0]) == {"step", "basis", "exp_avg", "exp_avg_sq", "error_feedback"}
+    state = opt.state_dict()["state"][0]
+    assert set(state) == {"step", "basis", "exp_avg", "exp_avg_sq", "error_feedback", "error_feedback_deferred"}
+    assert state["error_feedback_deferred"] is True  # the buffer holds the running sum (see project_gradients)
 
 
 def test_state_bytes_by_category():
@@ -267,8 +269,9 @@ def test_overlap_by_hand():
 
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
 def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
-    """Three steps with ω = 0.9, error feedback and weight decay against the formulas, term by term, with
-    explicit projection matrices in float64 (no code shared with the optimizer)."""
+    """Seven steps with ω = 0.9, error feedback and weight decay against the formulas, term by term, with
+    explicit projection matrices in float64 (no code shared with the optimizer); the basis changes before
+    step 5 (moments rotated as in LDAdam, E kept). Covers the deferred error feedback (steps 2-4 and 6-7)."""
     torch.manual_seed(3)
     r, lr, b1, b2, eps, wd, omega = 3, 0.05, 0.8, 0.95, 1e-8, 0.1, 0.9
     w = torch.nn.Parameter(torch.randn(shape))
@@ -279,7 +282,18 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
     W, E = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
     P = q.float().double()
     u = v = None
-    for t in range(1, 4):
+    for t in range(1, 8):
+        if t == 5:
+            q2, _ = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))
+            opt.set_basis(w, q2.float())
+            new = q2.float().double()
+            C = new.T @ P
+            bc1, bc2 = 1 - b1 ** 4, 1 - b2 ** 4
+            u_hat = u / bc1
+            var = (v / bc2 - u_hat**2).clamp(min=0)
+            rot_u = u_hat @ C.T if right else C @ u_hat
+            rot_var = var @ (C**2).T if right else (C**2) @ var
+            u, v, P = rot_u * bc1, (rot_var + rot_u**2).abs() * bc2, new
         G = torch.randn(shape, dtype=torch.float64)
         w.grad = G.float()
         opt.step()
@@ -293,4 +307,54 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
         U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * G / D.mean()
         W = W * (1 - lr * wd) - lr * U
         torch.testing.assert_close(w.detach().double(), W, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[w]["error_feedback"].double(), E, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.error_feedback(w).double(), E, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("omega", [0.0, 0.9, 1.0])
+def test_full_rank_qhadam_on_several_tensors_equals_the_formula_in_float64(omega):
+    """The multi-tensor full-rank path (torch's fused AdamW plus the quasi-hyperbolic correction) against
+    QHAdam written out in float64, on a matrix and two vectors over four steps."""
+    torch.manual_seed(4)
+    lr, b1, b2, eps, wd = 0.05, 0.8, 0.95, 1e-8, 0.1
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((6, 5), (7,), (3,))]
+    opt = LowRankQHAdam(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, omega=omega, rank=None)
+    ref = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(x) for x in ref]
+    v = [torch.zeros_like(x) for x in ref]
+    for t in range(1, 5):
+        grads = [torch.randn(p.shape, dtype=torch.float64) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.float()
+        opt.step()
+        for i, g in enumerate(grads):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            D = (v[i] / (1 - b2**t)).sqrt() + eps
+            ref[i] = ref[i] * (1 - lr * wd) - lr * (omega * m[i] / (1 - b1**t) + (1 - omega) * g) / D
+        for p, x in zip(params, ref):
+            torch.testing.assert_close(p.detach().double(), x, rtol=1e-5, atol=1e-6)
+
+
+def test_reading_the_error_feedback_never_changes_the_run():
+    torch.manual_seed(6)
+    ws = [torch.nn.Parameter(torch.randn(10, 6)) for _ in range(2)]
+    ws[1].data.copy_(ws[0].data)
+    opts = [LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2) for w in ws]
+    for _ in range(5):
+        g = torch.randn(10, 6)
+        for w, opt in zip(ws, opts):
+            w.grad = g.clone()
+            opt.step()
+        opts[0].error_feedback(ws[0])
+        opts[0].state_dict()
+    assert torch.equal(ws[0], ws[1])
+    assert torch.equal(opts[0].error_feedback(ws[0]), opts[1].error_feedback(ws[1]))
+
+
+def test_a_basis_without_orthonormal_columns_is_refused():
+    w = torch.nn.Parameter(torch.zeros(9, 5))
+    opt = LowRankQHAdam([w], rank=2)
+    with pytest.raises(ValueError, match="orthonormal columns"):
+        opt.set_basis(w, torch.ones(5, 2))
+    with pytest.raises(ValueError, match="orthonormal columns"):
+        opt.set_basis(w, torch.full((5, 2), float("nan")))

@@ -115,6 +115,9 @@ def _model_params(preset: str, device: torch.device, d_model: int | None = None,
     return model, group_parameters(model)
 
 
+FLOOR = "2 rank-r GEMMs per matrix alone (floor)"
+
+
 def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.device, d_model: int | None = None,
                    n_layers: int | None = None, peers: bool = True) -> dict[str, Any]:
     """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients."""
@@ -151,6 +154,8 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
     cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
     gs, _, _ = replica()
     optimizers["lordo (LowRankQHAdam)"] = make_lowrank_optimizer(gs, cfg, omega=cfg.strategy.omega)
+    gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
+    optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg, omega=cfg.strategy.omega, error_feedback=False)
 
     if peers:
         huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
@@ -176,12 +181,27 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
 
     for name, opt in optimizers.items():
         fns[name] = opt.step
+
+    # the arithmetic floor of any rank-r step: the two GEMMs per matrix that lordo's steady-state step does
+    # (project G, back-project the update into W), nothing else
+    _, floor_ms, _ = replica()
+    floor_bases = [torch.linalg.qr(torch.randn(min(p.shape), r, generator=gen).to(device))[0] for p in floor_ms]
+
+    def gemms_only() -> None:
+        with torch.no_grad():
+            for p, b in zip(floor_ms, floor_bases):
+                if p.shape[0] >= p.shape[1]:
+                    p.addmm_(p.grad @ b, b.T, alpha=-1e-9)
+                else:
+                    p.addmm_(b, b.T @ p.grad, alpha=-1e-9)
+
+    fns[FLOOR] = gemms_only
     times = time_interleaved(fns, rounds=rounds, warmup=3, device=device)
     reference = "AdamW fused" if "AdamW fused" in times else "AdamW foreach"
     rows = summarize(times, reference)
     n_params = sum(p.numel() for p in model.parameters())
     for row in rows:
-        row["state_bytes"] = _state_bytes(optimizers[row["name"]])
+        row["state_bytes"] = _state_bytes(optimizers[row["name"]]) if row["name"] in optimizers else None
     shape = f"{preset}" if d_model is None else f"d_model={d_model}, layers={n_layers}"
     print_table(f"optimizer step, {shape} ({n_params:,} parameters, {len(matrices)} low-rank matrices at r = {r}), "
                 f"{device}, {rounds} rounds; ratio = median / {reference} median",

@@ -6,6 +6,7 @@ Shapes: W, G, E are p×q; u, v are the low-rank moments (p×r on the right side,
 from __future__ import annotations
 
 import torch
+from torch.optim.adamw import adamw as adamw_functional
 
 from .subspace import RIGHT
 
@@ -35,23 +36,58 @@ def lowrank_qh_adam_update(
         W ← W·(1 − η·λ) − η·U
 
     ``qh_grad`` is the full-rank gradient of the quasi-hyperbolic term (G, or G+E); unused when ω = 1."""
-    exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    denom = (exp_avg_sq / bc2).sqrt_().add_(eps)  # low-rank: small
-    ratio = (exp_avg / denom).to(param.dtype)  # û/D up to the 1/bc1 folded into alpha below
-    qh = omega < 1.0 and qh_grad is not None
-    basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
-    # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
-    decay, alpha = 1 - lr * weight_decay, -lr * (omega if qh else 1.0) / bc1
-    if side == RIGHT:
-        param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
-    else:
-        param.addmm_(basis, ratio, beta=decay, alpha=alpha)
-    if qh:
-        assert qh_grad is not None
-        # − η(1−ω)·G/mean(D): mean(D) stays a 0-d tensor (no host synchronisation on GPUs)
-        param.addcdiv_(qh_grad.to(param.dtype), denom.mean().to(param.dtype), value=-lr * (1 - omega))
+    lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step],
+                                lr, beta1, beta2, eps, weight_decay, omega)
+
+
+@torch.no_grad()
+def lowrank_qh_adam_update_many(
+    params: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    qh_grads: list[torch.Tensor | None],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    sides: list[str],
+    steps: list[int],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    omega: float,
+) -> None:
+    """:func:`lowrank_qh_adam_update` for several matrices: the moment math on the small low-rank tensors runs
+    as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass."""
+    if not params:
+        return
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, gs, alpha=1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1 - beta2)
+    denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in steps])  # low-rank: small
+    torch._foreach_sqrt_(denoms)
+    torch._foreach_add_(denoms, eps)
+    ratios = torch._foreach_div(exp_avgs, denoms)  # û/D up to the 1/bc1 folded into alpha below
+    decay = 1 - lr * weight_decay
+    for param, qh_grad, basis, side, step, ratio, denom in zip(params, qh_grads, bases, sides, steps, ratios, denoms):
+        qh = omega < 1.0 and qh_grad is not None
+        ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
+        basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
+        # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
+        alpha = -lr * (omega if qh else 1.0) / (1 - beta1**step)
+        if side == RIGHT:
+            param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
+        else:
+            param.addmm_(basis, ratio, beta=decay, alpha=alpha)
+        if qh:
+            assert qh_grad is not None
+            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel(D)·G/sum(D): the sum stays a 0-d tensor (no host
+            # synchronisation on GPUs)
+            total = denom.sum()
+            param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
+                           total if total.dtype == param.dtype else total.to(param.dtype),
+                           value=-lr * (1 - omega) * denom.numel())
 
 
 @torch.no_grad()
@@ -82,3 +118,49 @@ def qh_adam_update(
         return
     numerator = exp_avg.mul(omega / bc1).add_(grad, alpha=1 - omega)
     param.addcdiv_(numerator, denom, value=-lr)
+
+
+@torch.no_grad()
+def qh_adam_update_many(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    omega: float,
+) -> None:
+    """:func:`qh_adam_update` on several tensors at once; increments ``steps`` (0-d tensors) itself.
+
+    QHAdam is AdamW at learning rate η·ω (decay λ/ω, so that the decay factor stays 1 − ηλ) plus the term
+    −η(1−ω)·G/D, D taken from the updated second moment. The AdamW part runs as torch's multi-tensor
+    kernel (fused on CPU, where it is several times faster than per-tensor ops; foreach elsewhere); the
+    correction adds a few foreach passes. ω = 0 (no AdamW part) falls back to the per-tensor kernel."""
+    if not params:
+        return
+    supported = {p.device.type for p in params} <= {"cpu", "cuda"} and all(
+        p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not g.is_sparse
+        for p, g in zip(params, grads)
+    )
+    if omega == 0.0 or not supported:
+        for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            t += 1
+            qh_adam_update(p, g, m, v, int(t), lr, beta1, beta2, eps, weight_decay, omega)
+        return
+    fused = all(p.device.type == "cpu" for p in params)  # CUDA's fused kernel wants its steps on the device
+    adamw_functional(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=not fused, fused=fused or None,
+        amsgrad=False, beta1=beta1, beta2=beta2, lr=lr * omega, weight_decay=weight_decay / omega, eps=eps,
+        maximize=False,
+    )
+    if omega == 1.0:
+        return
+    bias2 = [1 - beta2 ** int(t) for t in steps]
+    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, grads, denom, -lr * (1 - omega))

@@ -26,15 +26,22 @@ def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis:
     # A = G + E, in the buffer itself, or at the gradient's precision when the buffer is low-precision
     low_precision = error.dtype != grad.dtype
     a = grad + error.to(grad.dtype) if low_precision else error.add_(grad)
+    g = remove_projection(a, basis, side)  # E ← A − back(g)
+    if low_precision:
+        error.copy_(a)
+    return g
+
+
+def remove_projection(a: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """A ← A − back(proj(A)) in place, keeping what lies outside the basis's subspace; returns proj(A).
+
+    Two GEMMs; the back-projection is fused into the update (no full-size temporary)."""
     basis = basis if basis.dtype == a.dtype else basis.to(a.dtype)
     g = project(a, basis, side)
-    # E ← A − back(g) as one fused GEMM (no full-size temporary)
     if side == RIGHT:
         a.addmm_(g, basis.T, alpha=-1)
     else:
         a.addmm_(basis, g, alpha=-1)
-    if low_precision:
-        error.copy_(a)
     return g
 
 

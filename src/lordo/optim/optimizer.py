@@ -3,8 +3,8 @@
 Parameter groups with ``rank`` set keep rank-r Adam moments in a basis of each matrix, with error feedback
 and a full-rank quasi-hyperbolic term; groups with ``rank=None`` take full-rank QHAdam. Usable on its own
 in a single process: the basis of a matrix is taken from its first gradient unless the caller sets one
-(``set_basis``, which rotates the moments). State is tensors only, so ``state_dict()`` round-trips through
-``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups`` as usual.
+(``set_basis``, which rotates the moments). State is tensors and one bool flag, so ``state_dict()`` round-trips
+through ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups`` as usual.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from collections.abc import Iterable
 
 import torch
 
-from .functional import lowrank_qh_adam_update, qh_adam_update
-from .lowrank import back_project, project_with_feedback, rotate_moments
+from .functional import lowrank_qh_adam_update_many, qh_adam_update_many
+from .lowrank import back_project, project, project_with_feedback, remove_projection, rotate_moments
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 QH_SOURCES = ("grad", "grad+error")
+DEFERRED = "error_feedback_deferred"  # state flag (a bool): E is a running sum, see project_gradients
 BASIS_METHODS = ("svd", "subspace")
 
 
@@ -135,11 +136,15 @@ class LowRankQHAdam(torch.optim.Optimizer):
         expected = (p.shape[1] if side == "right" else p.shape[0], group["rank"])
         if tuple(basis.shape) != expected:
             raise ValueError(f"basis for a {tuple(p.shape)} matrix at rank {group['rank']} must be {expected}, got {tuple(basis.shape)}")
+        new = basis.to(device=p.device, dtype=torch.float32)
+        deviation = float((new.T @ new - torch.eye(new.shape[1], device=new.device)).abs().max())
+        if not deviation <= 1e-3:  # NaN fails too
+            raise ValueError(f"a basis must have orthonormal columns (max |PᵀP − I| = {deviation:.3g})")
         state = self.state[p]
         if "basis" not in state:
-            self._init_lowrank_state(p, group, basis)
+            self._init_lowrank_state(p, group, new)
             return
-        new = basis.to(device=p.device, dtype=torch.float32)
+        self._settle(p)  # E in the old basis
         b1, b2 = group["betas"]
         rotate_moments(state["exp_avg"], state["exp_avg_sq"], state["basis"], new, side, int(state["step"]), b1, b2)
         state["basis"].copy_(new)
@@ -159,14 +164,61 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def project_gradient(self, p: torch.Tensor) -> torch.Tensor:
         """g = proj(G + E) for a low-rank matrix, updating its error feedback; creates the state (basis from
         this gradient) on first use."""
-        group = self._group_of(p)
-        if "basis" not in self.state[p]:
-            basis = svd_basis(grad_of(p), group["rank"])
-            if basis is None:
-                raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
-            self._init_lowrank_state(p, group, basis)
+        return self.project_gradients([p])[0]
+
+    @torch.no_grad()
+    def project_gradients(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:meth:`project_gradient` of each low-rank matrix in ``params`` (the deferred error-feedback sums
+        are updated in one multi-tensor call)."""
+        for p in params:
+            if "basis" not in self.state[p]:
+                group = self._group_of(p)
+                basis = svd_basis(grad_of(p), group["rank"])
+                if basis is None:
+                    raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
+                self._init_lowrank_state(p, group, basis)
+        deferred = [p for p in params if self.state[p].get(DEFERRED)]
+        if deferred:
+            # E has no component in the basis's subspace: proj(G + E) = proj(G); E accumulates G (see below)
+            torch._foreach_add_([self.state[p]["error_feedback"] for p in deferred], [grad_of(p) for p in deferred])
+        out = []
+        for p in params:
+            state, grad, side = self.state[p], grad_of(p), side_of(p.shape)
+            basis = state["basis"] if state["basis"].dtype == grad.dtype else state["basis"].to(grad.dtype)
+            if state.get(DEFERRED):
+                out.append(project(grad, basis, side))
+                continue
+            error = state.get("error_feedback")
+            out.append(project_with_feedback(grad, error, basis, side))
+            if error is not None and error.dtype == grad.dtype and self._group_of(p)["qh_source"] == "grad":
+                state[DEFERRED] = True
+        return out
+
+    # Deferred error feedback. After a step in basis P, E = A − back(proj(A)) has no component in P's subspace
+    # (E·P = 0 on the right side, up to rounding). While P stays, proj(G + E) = proj(G), and the E of step t is
+    # (E_s + G_s+1 + ... + G_t) with its component in the subspace removed: the buffer only needs to sum the
+    # gradients (one elementwise pass instead of a pass and two GEMMs per step), and the projection is removed
+    # once, when the basis changes. The flag (a bool in the state, so saved and restored with it: a resumed run
+    # continues bit for bit) says the buffer holds that sum. Used for buffers at the gradient's precision only
+    # (a bf16 running sum would drown the small outside part in the large inside one) and with qh_source
+    # "grad" (grad+error reads E every step).
+
+    def _settle(self, p: torch.Tensor) -> None:
         state = self.state[p]
-        return project_with_feedback(grad_of(p), state.get("error_feedback"), state["basis"], side_of(p.shape))
+        if state.pop(DEFERRED, False):
+            remove_projection(state["error_feedback"], state["basis"], side_of(p.shape))
+
+    @torch.no_grad()
+    def error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The error-feedback buffer E of low-rank matrix ``p`` (None if it has none yet or error feedback is
+        off). A copy when the buffer is deferred; reading it never changes the run."""
+        state = self.state.get(p, {})
+        error = state.get("error_feedback")
+        if error is None or not state.get(DEFERRED):
+            return error
+        error = error.clone()
+        remove_projection(error, state["basis"], side_of(p.shape))
+        return error
 
     @torch.no_grad()
     def apply_lowrank(self, p: torch.Tensor, g: torch.Tensor, qh_grad: torch.Tensor | None = None) -> None:
@@ -174,34 +226,63 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
         ``qh_grad`` defaults to the group's source: G, or G+E (error feedback after this step's update
         plus back(g))."""
-        group = self._group_of(p)
-        state = self.state[p]
-        state["step"] += 1
-        if qh_grad is None and group["omega"] < 1:
-            qh_grad = p.grad
-            if group["qh_source"] == "grad+error" and "error_feedback" in state:
+        self.apply_lowrank_many([p], [g], None if qh_grad is None else [qh_grad])
+
+    @torch.no_grad()
+    def apply_lowrank_many(self, params: list[torch.Tensor], gs: list[torch.Tensor],
+                           qh_grads: list[torch.Tensor] | None = None) -> None:
+        """:meth:`apply_lowrank` on several matrices, batched per parameter group (multi-tensor moment math)."""
+        by_group: dict[int, tuple[dict, list[int]]] = {}
+        for i, p in enumerate(params):
+            group = self._group_of(p)
+            by_group.setdefault(id(group), (group, []))[1].append(i)
+        for group, index in by_group.values():
+            ps = [params[i] for i in index]
+            states = [self.state[p] for p in ps]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1)
+            sides = [side_of(p.shape) for p in ps]
+            qh: list[torch.Tensor | None]
+            if qh_grads is not None:
+                qh = [qh_grads[i] for i in index]
+            elif group["omega"] == 1:
+                qh = [None] * len(ps)
+            elif group["qh_source"] == "grad+error":
                 # A = G + E_before = E_after + back(g)
-                qh_grad = state["error_feedback"] + back_project(g, state["basis"], side_of(p.shape))
-        b1, b2 = group["betas"]
-        lowrank_qh_adam_update(
-            p, g, qh_grad, state["exp_avg"], state["exp_avg_sq"], state["basis"], side_of(p.shape), int(state["step"]),
-            group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
-        )
+                qh = [s["error_feedback"] + back_project(params_g, s["basis"], side) if "error_feedback" in s else p.grad
+                      for p, s, params_g, side in zip(ps, states, [gs[i] for i in index], sides)]
+            else:
+                qh = [p.grad for p in ps]
+            b1, b2 = group["betas"]
+            lowrank_qh_adam_update_many(
+                ps, [gs[i] for i in index], qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["basis"] for s in states], sides, [int(t) for t in steps],
+                group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
+            )
 
     @torch.no_grad()
     def apply_full_rank(self, p: torch.Tensor) -> None:
-        group = self._group_of(p)
-        state = self.state[p]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        state["step"] += 1
-        b1, b2 = group["betas"]
-        qh_adam_update(
-            p, grad_of(p), state["exp_avg"], state["exp_avg_sq"], int(state["step"]),
-            group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
-        )
+        self.apply_full_rank_many([p])
+
+    @torch.no_grad()
+    def apply_full_rank_many(self, params: list[torch.Tensor]) -> None:
+        """Full-rank QHAdam on ``params``, one multi-tensor call per parameter group."""
+        by_group: dict[int, tuple[dict, list[torch.Tensor]]] = {}
+        for p in params:
+            group = self._group_of(p)
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        for group, ps in by_group.values():
+            states = [self.state[p] for p in ps]
+            for p, state in zip(ps, states):
+                if "step" not in state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+            b1, b2 = group["betas"]
+            qh_adam_update_many(
+                ps, [grad_of(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["step"] for s in states], group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
+            )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -210,13 +291,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["rank"] is None:
-                    self.apply_full_rank(p)
-                else:
-                    self.apply_lowrank(p, self.project_gradient(p))
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if group["rank"] is None:
+                self.apply_full_rank_many(with_grad)
+                continue
+            self.apply_lowrank_many(with_grad, self.project_gradients(with_grad))
         return loss
 
     # ---------------------------------------------------------------------------------------------------

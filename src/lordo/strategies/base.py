@@ -37,7 +37,12 @@ def make_adamw(groups: list[ParamGroup], cfg) -> torch.optim.AdamW:
         {"params": g.params, "weight_decay": cfg.weight_decay if g.rule.weight_decay else 0.0, "name": g.rule.group}
         for g in groups
     ]
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    params = [p for g in groups for p in g.params]
+    # torch's fused kernel (one pass over all tensors) where it exists: on CPU it is ~5x faster than foreach
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+                for p in params)
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused or None, foreach=None if fused else True)
 
 
 class Strategy(ABC):

@@ -56,18 +56,14 @@ class LowRankDDPStrategy(Strategy):
         stats: dict[str, float] = {"grad_norm": norms[0]}
         if self.steps_done % self.refresh_every == 0:
             stats.update(self.refresh_bases())
-        projected = [
-            [opt.project_gradient(p) for p in low] for opt, low in zip(self.optimizers, self.lowrank_sets)
-        ]
+        projected = [opt.project_gradients(low) for opt, low in zip(self.optimizers, self.lowrank_sets)]
         payload = [proj + [grad_of(p) for p in full] for proj, full in zip(projected, self.full_sets)]
         self.comm.all_reduce_mean(payload, tag="projected_gradient")
         for w, opt in enumerate(self.optimizers):
             for group in opt.param_groups:
                 group["lr"] = lr
-            for p, g in zip(self.lowrank_sets[w], projected[w]):
-                opt.apply_lowrank(p, g)
-            for p in self.full_sets[w]:
-                opt.apply_full_rank(p)
+            opt.apply_lowrank_many(self.lowrank_sets[w], projected[w])
+            opt.apply_full_rank_many(self.full_sets[w])
             opt.zero_grad(set_to_none=True)
         self.steps_done += 1
         return stats
