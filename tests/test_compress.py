@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from lordo.comm import SimCommunicator
-from lordo.comm.compress import dequantize_int8_rows, int8_payload_bytes, quantize_int8_rows
+from lordo.comm.compress import (
+    dequantize_int8_rows,
+    dequantize_log_int8_rows,
+    int8_payload_bytes,
+    log_int8_payload_bytes,
+    quantize_int8_rows,
+    quantize_log_int8_rows,
+)
 from lordo.errors import ConfigError
 from lordo.model import group_parameters
 from lordo.optim import LowRankQHAdam
@@ -36,6 +43,31 @@ def two_workers(compress, feedback=True, steps=8, name="lordo"):
     cfg = strategy_config(name, ["strategy.sync_every=4", "strategy.rank=4", f'strategy.compress="{compress}"',
                                  f"strategy.compress_feedback={str(feedback).lower()}"])
     return run_strategy(comm, cfg, steps)
+
+
+def test_log_int8_rows_keep_every_positive_element_within_the_promised_factor():
+    torch.manual_seed(1)
+    x = torch.rand(6, 50).pow(6) * torch.logspace(-14, -4, 6)[:, None]  # Adam-like second moments, wide ranges
+    x[0, 7] = 0.0  # an exact zero stays zero
+    x[5] = 0.0  # so does a row of zeros
+    x[4] = 3e-9  # a constant row comes back exactly (up to exp/log rounding)
+    codes, bounds = quantize_log_int8_rows(x)
+    assert codes.dtype == torch.int8 and codes.shape == x.shape and bounds.shape == (6, 2)
+    y = dequantize_log_int8_rows(codes, bounds)
+    positive = x > 0
+    logs = x.clamp(min=1e-45).log()
+    # by hand: per row lo = min ln x, hi = max ln x over the positive elements; the factor is exp((hi − lo)/508)
+    lo = torch.where(positive, logs, torch.inf).amin(dim=1)
+    hi = torch.where(positive, logs, -torch.inf).amax(dim=1)
+    for r in range(5):
+        torch.testing.assert_close(bounds[r], torch.stack([lo[r], hi[r]]))
+        factor = float(torch.exp((hi[r] - lo[r]) / 508)) * (1 + 1e-5)
+        ratio = y[r][positive[r]] / x[r][positive[r]]
+        assert float(ratio.max()) <= factor and float(ratio.min()) >= 1 / factor
+    assert float(y[0, 7]) == 0.0 and bool((y[5] == 0).all()) and int(codes[0, 7]) == -128
+    torch.testing.assert_close(y[4], x[4], rtol=1e-5, atol=0)
+    assert bool((y >= 0).all())
+    assert log_int8_payload_bytes(torch.zeros(6, 50)) == 6 * 50 + 8 * 6
 
 
 def test_error_feedback_delivers_everything_over_rounds():
@@ -81,7 +113,13 @@ def test_compressed_lordo_stays_close_to_uncompressed_and_counts_its_bytes(compr
     else:
         assert ledger["all_reduce:pseudo_gradient_bf16"]["bytes"] == 2 * 2 * n
     assert ref_ledger["all_reduce:pseudo_gradient"]["bytes"] == 2 * 4 * n
-    assert ledger["all_reduce:exp_avg_bf16"]["bytes"] * 2 == ref_ledger["all_reduce:exp_avg"]["bytes"]
+    moments = ref_ledger["all_reduce:exp_avg"]["bytes"]  # fp32, one sync = 4 bytes per element
+    if compress == "int8":  # int8 moments: 1 byte per element plus 4 (exp_avg) or 8 (exp_avg_sq) per row
+        assert moments == ref_ledger["all_reduce:exp_avg_sq"]["bytes"]
+        assert ledger["all_gather:exp_avg_int8"]["bytes"] < moments / 4 * 1.5
+        assert ledger["all_gather:exp_avg_sq_int8"]["bytes"] > ledger["all_gather:exp_avg_int8"]["bytes"]
+    else:
+        assert ledger["all_reduce:exp_avg_bf16"]["bytes"] * 2 == moments
 
 
 def test_compression_on_gloo_matches_the_simulator():

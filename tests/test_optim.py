@@ -358,3 +358,19 @@ def test_a_basis_without_orthonormal_columns_is_refused():
         opt.set_basis(w, torch.ones(5, 2))
     with pytest.raises(ValueError, match="orthonormal columns"):
         opt.set_basis(w, torch.full((5, 2), float("nan")))
+
+
+@pytest.mark.parametrize("dtype, ef_dtype, deferred", [
+    (torch.float32, None, True),
+    (torch.float32, torch.bfloat16, False),  # a bf16 running sum would lose the outside part
+    (torch.bfloat16, None, False),
+])
+def test_error_feedback_is_deferred_only_at_full_precision(dtype, ef_dtype, deferred):
+    torch.manual_seed(7)
+    w = torch.nn.Parameter(torch.randn(10, 6, dtype=dtype))
+    opt = LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2, error_feedback_dtype=ef_dtype)
+    for _ in range(3):
+        w.grad = torch.randn(10, 6, dtype=dtype)
+        opt.step()
+    assert opt.state[w].get("error_feedback_deferred", False) is deferred
+    assert torch.isfinite(w).all()

@@ -285,7 +285,7 @@ def _must(basis: torch.Tensor | None) -> torch.Tensor:
     return basis
 
 
-def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: str, iters: int = 2) -> dict[str, Any]:
+def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: str, iters: int = 1) -> dict[str, Any]:
     from .optim import captured_energy, subspace_iteration_basis, svd_basis
 
     print(f"training {preset} with lordo for {steps} steps on 4 simulated workers to capture pseudo-gradients ...")
@@ -397,7 +397,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--preset", default="micro")
     b.add_argument("--rank", type=int, default=16)
     b.add_argument("--steps", type=int, default=32, help="training steps (two synchronisations)")
-    b.add_argument("--iters", type=int, default=2)
+    b.add_argument("--iters", type=int, default=1, help="subspace iterations (the optimizer uses 1)")
     b.add_argument("--rounds", type=int, default=20)
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro")

@@ -148,13 +148,14 @@ class StrategyConfig:
                       "(lordo-global-noqh and lowrank-ddp use 1)", _unit_closed)
     error_feedback: bool = _f(True, "feed what the projection drops back into the next step's gradient")
     basis_method: str = _f("subspace", "how bases are computed at a synchronisation: subspace (iteration warm-started from "
-                           "the previous basis: 6-9x faster, the same quality in docs/results.md) or exact svd "
+                           "the previous basis: 16-19x faster, the same quality in docs/performance.md) or exact svd "
                            "(initial bases are always exact)", _choice("svd", "subspace"))
     qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper) or G + error feedback",
                         _choice("grad", "grad+error"))
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
                        "(pseudo-gradient and moments all-reduced in bfloat16) or int8 (pseudo-gradient quantised per "
-                       "row to int8 and all-gathered; moments in bfloat16)", _choice("none", "bf16", "int8"))
+                       "row to int8 and all-gathered; averaged moments in int8 too, second moments in the log domain)",
+                       _choice("none", "bf16", "int8"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "

@@ -190,7 +190,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 continue
             error = state.get("error_feedback")
             out.append(project_with_feedback(grad, error, basis, side))
-            if error is not None and error.dtype == grad.dtype and self._group_of(p)["qh_source"] == "grad":
+            if (error is not None and error.dtype == grad.dtype and error.dtype in (torch.float32, torch.float64)
+                    and self._group_of(p)["qh_source"] == "grad"):
                 state[DEFERRED] = True
         return out
 
@@ -249,8 +250,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 qh = [None] * len(ps)
             elif group["qh_source"] == "grad+error":
                 # A = G + E_before = E_after + back(g)
-                qh = [s["error_feedback"] + back_project(params_g, s["basis"], side) if "error_feedback" in s else p.grad
-                      for p, s, params_g, side in zip(ps, states, [gs[i] for i in index], sides)]
+                qh = [s["error_feedback"] + back_project(g, s["basis"], side) if "error_feedback" in s else p.grad
+                      for p, s, g, side in zip(ps, states, [gs[i] for i in index], sides)]
             else:
                 qh = [p.grad for p in ps]
             b1, b2 = group["betas"]

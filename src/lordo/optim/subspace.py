@@ -66,12 +66,15 @@ def svd_basis(a: torch.Tensor, rank: int, side: str | None = None) -> torch.Tens
 
 
 def subspace_iteration_basis(
-    a: torch.Tensor, rank: int, previous: torch.Tensor | None, iters: int = 2, side: str | None = None
+    a: torch.Tensor, rank: int, previous: torch.Tensor | None, iters: int = 1, side: str | None = None
 ) -> torch.Tensor | None:
-    """Top-``rank`` basis by block power iteration warm-started from ``previous`` (e.g. the last basis).
+    """A top-``rank`` basis by block power iteration warm-started from ``previous`` (e.g. the last basis).
 
-    Each iteration is P ← qr(MᵀM·P) with M the oriented matrix; a final Rayleigh–Ritz step (a small SVD of
-    M·P) orders the columns by singular value. Without a previous basis it falls back to the exact SVD."""
+    Each iteration is P ← qr(MᵀM·P) with M the oriented matrix: two rank-r GEMMs and a QR of a q×r matrix,
+    against the full SVD's O(p·q²). The result spans the iterated subspace; its columns come in the previous
+    basis's (Gram–Schmidt) order, not sorted by singular value: a Rayleigh–Ritz step would cost a third GEMM
+    and an SVD, and the order does not matter, since the moments are rotated into whatever basis comes.
+    Without a previous basis it falls back to the exact SVD."""
     side = side or side_of(a.shape)
     if previous is None:
         return svd_basis(a, rank, side)
@@ -79,14 +82,9 @@ def subspace_iteration_basis(
     p = previous.float()
     for _ in range(iters):
         p, _ = torch.linalg.qr(m.T @ (m @ p))
-    try:
-        _, _, wh = torch.linalg.svd(m @ p, full_matrices=False)
-    except torch.linalg.LinAlgError:  # pragma: no cover
+    if not torch.isfinite(p).all():
         return svd_basis(a, rank, side)
-    basis = p @ wh.T
-    if not torch.isfinite(basis).all():
-        return svd_basis(a, rank, side)
-    return canonical_signs(basis[:, :rank].contiguous())
+    return canonical_signs(p.contiguous())
 
 
 def captured_energy(a: torch.Tensor, basis: torch.Tensor, side: str | None = None) -> float:

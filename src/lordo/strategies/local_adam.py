@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..comm.compress import dequantize_int8_rows, quantize_int8_rows
+from ..comm.compress import dequantize_int8_rows, dequantize_log_int8_rows, quantize_int8_rows, quantize_log_int8_rows
 from ..errors import NonFiniteError
 from .base import Strategy, make_adamw, tensor_bytes
 
@@ -75,14 +75,24 @@ class LocalUpdateStrategy(Strategy):
                 ]
                 if not moments[0]:
                     continue
+                # compressed moments need no error feedback: they are running averages, not sums to deliver
                 if self.compress == "none":
                     self.comm.all_reduce_mean(moments, tag=key)
-                else:  # bf16 on the wire; the running averages need no error feedback
+                elif self.compress == "bf16":
                     low = [[m.to(torch.bfloat16) for m in ms] for ms in moments]
                     self.comm.all_reduce_mean(low, tag=f"{key}_bf16")
                     for ms, ls in zip(moments, low):
                         for m, lo in zip(ms, ls):
                             m.copy_(lo)
+                else:
+                    # int8 rows along the longer axis (low-rank moments are p×r: one scale per r elements would
+                    # cost as much as the codes); second moments in the log domain: non-negative, a wide range,
+                    # and never rounded to 0 (their step would explode)
+                    lines = [[m.T if m.ndim == 2 and m.shape[0] > m.shape[1] else m for m in ms] for ms in moments]
+                    encode, decode = ((quantize_log_int8_rows, dequantize_log_int8_rows) if key == "exp_avg_sq"
+                                      else (quantize_int8_rows, dequantize_int8_rows))
+                    payload = [[x for m in ms for x in encode(m)] for ms in lines]
+                    self._gather_mean(lines, payload, f"{key}_int8", decode)
 
     def finish(self) -> dict[str, float]:
         return self.synchronise() if self.steps_done % self.sync_every else {}
@@ -148,18 +158,25 @@ class LocalUpdateStrategy(Strategy):
                 if self.compression_error:
                     self.compression_error[w][i].copy_(t).sub_(dequantize_int8_rows(q, scale))
             payload.append(items)
-        gathered = self.comm.all_gather(payload, tag="pseudo_gradient_int8")
+        self._gather_mean(pseudo, payload, "pseudo_gradient_int8", dequantize_int8_rows)
+
+    def _gather_mean(self, tensors: list[list[torch.Tensor]], payload: list[list[torch.Tensor]], tag: str,
+                     decode) -> None:
+        """Replace every worker's ``tensors`` in place by the mean over all workers of their encoded
+        ``payload`` (per worker: code, metadata, code, metadata, ...), all-gathered: integers with different
+        scales cannot be summed on the wire. Each worker decodes and sums in rank order, so all agree."""
+        gathered = self.comm.all_gather(payload, tag=tag)
         means: dict[int, list[torch.Tensor]] = {}  # the simulator hands every hosted worker the same list
-        for tensors, sources in zip(pseudo, gathered):
+        for ts, sources in zip(tensors, gathered):
             if id(sources) not in means:
                 mean = []
-                for i, t in enumerate(tensors):
+                for i, t in enumerate(ts):
                     acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                     for src in sources:  # rank order: the same sum on every worker
-                        acc += dequantize_int8_rows(src[2 * i], src[2 * i + 1])
+                        acc += decode(src[2 * i], src[2 * i + 1])
                     mean.append(acc.div_(self.comm.world_size))
                 means[id(sources)] = mean
-            for t, m in zip(tensors, means[id(sources)]):
+            for t, m in zip(ts, means[id(sources)]):
                 t.copy_(m)
 
     def state_dict(self) -> dict[str, Any]:
