@@ -65,29 +65,32 @@ def lowrank_qh_adam_update_many(
     torch._foreach_add_(exp_avgs, gs, alpha=1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, gs, gs, value=1 - beta2)
-    denoms = torch._foreach_div(exp_avg_sqs, [1 - beta2**t for t in steps])  # low-rank: small
-    torch._foreach_sqrt_(denoms)
-    torch._foreach_add_(denoms, eps)
-    ratios = torch._foreach_div(exp_avgs, denoms)  # û/D up to the 1/bc1 folded into alpha below
+    # D = sqrt(v/bc2) + ε = (sqrt(v) + ε·sqrt(bc2)) / sqrt(bc2): the low-rank tensors hold D' = sqrt(bc2)·D
+    # (no pass for the division by bc2) and the factors sqrt(bc2) and 1/bc1 go into the scalars below
+    roots = [(1 - beta2**t) ** 0.5 for t in steps]
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denoms, [eps * r for r in roots])
+    ratios = torch._foreach_div(exp_avgs, denoms)  # u/D' = (û/D)·bc1/sqrt(bc2)
     decay = 1 - lr * weight_decay
-    for param, qh_grad, basis, side, step, ratio, denom in zip(params, qh_grads, bases, sides, steps, ratios, denoms):
+    for param, qh_grad, basis, side, step, root, ratio, denom in zip(
+            params, qh_grads, bases, sides, steps, roots, ratios, denoms):
         qh = omega < 1.0 and qh_grad is not None
         ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
         basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
         # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
-        alpha = -lr * (omega if qh else 1.0) / (1 - beta1**step)
+        alpha = -lr * (omega if qh else 1.0) * root / (1 - beta1**step)
         if side == RIGHT:
             param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
         else:
             param.addmm_(basis, ratio, beta=decay, alpha=alpha)
         if qh:
             assert qh_grad is not None
-            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel(D)·G/sum(D): the sum stays a 0-d tensor (no host
+            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel·sqrt(bc2)·G/sum(D'): the sum stays a 0-d tensor (no host
             # synchronisation on GPUs)
             total = denom.sum()
             param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
                            total if total.dtype == param.dtype else total.to(param.dtype),
-                           value=-lr * (1 - omega) * denom.numel())
+                           value=-lr * (1 - omega) * denom.numel() * root)
 
 
 @torch.no_grad()
@@ -159,8 +162,8 @@ def qh_adam_update_many(
     )
     if omega == 1.0:
         return
-    bias2 = [1 - beta2 ** int(t) for t in steps]
-    denom = torch._foreach_div(exp_avg_sqs, bias2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, grads, denom, -lr * (1 - omega))
+    # G/D with D = sqrt(v/bc2) + ε equals sqrt(bc2)·G/(sqrt(v) + ε·sqrt(bc2)): no pass for the division by bc2
+    roots = [(1 - beta2 ** int(t)) ** 0.5 for t in steps]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, [eps * r for r in roots])
+    torch._foreach_addcdiv_(params, grads, denom, [-lr * (1 - omega) * r for r in roots])
