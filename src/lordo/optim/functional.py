@@ -71,23 +71,25 @@ def lowrank_qh_adam_update_many(
     denoms = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denoms, [eps * r for r in roots])
     ratios = torch._foreach_div(exp_avgs, denoms)  # u/D' = (û/D)·bc1/sqrt(bc2)
+    qh = omega < 1.0
+    # sum(D') of every matrix in one call (D' > 0, so its L1 norm), kept as 0-d tensors: no host
+    # synchronisation on GPUs
+    totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(params)
     decay = 1 - lr * weight_decay
-    for param, qh_grad, basis, side, step, root, ratio, denom in zip(
-            params, qh_grads, bases, sides, steps, roots, ratios, denoms):
-        qh = omega < 1.0 and qh_grad is not None
+    for param, qh_grad, basis, side, step, root, ratio, denom, total in zip(
+            params, qh_grads, bases, sides, steps, roots, ratios, denoms, totals):
+        with_qh = qh and qh_grad is not None
         ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
         basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
         # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
-        alpha = -lr * (omega if qh else 1.0) * root / (1 - beta1**step)
+        alpha = -lr * (omega if with_qh else 1.0) * root / (1 - beta1**step)
         if side == RIGHT:
             param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
         else:
             param.addmm_(basis, ratio, beta=decay, alpha=alpha)
-        if qh:
-            assert qh_grad is not None
-            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel·sqrt(bc2)·G/sum(D'): the sum stays a 0-d tensor (no host
-            # synchronisation on GPUs)
-            total = denom.sum()
+        if with_qh:
+            assert qh_grad is not None and total is not None
+            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel·sqrt(bc2)·G/sum(D')
             param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
                            total if total.dtype == param.dtype else total.to(param.dtype),
                            value=-lr * (1 - omega) * denom.numel() * root)

@@ -257,7 +257,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             b1, b2 = group["betas"]
             lowrank_qh_adam_update_many(
                 ps, [gs[i] for i in index], qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["basis"] for s in states], sides, [int(t) for t in steps],
+                [s["basis"] for s in states], sides, [int(t) for t in torch.stack(steps).tolist()],
                 group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
             )
 
