@@ -21,3 +21,27 @@ def test_step_and_basis_benchmarks_run_and_write_json(tmp_path, data_dir, capsys
     assert len(res["energy_exact"]) == len(res["energy_subspace"]) > 0
     # the exact top-r basis captures the most energy any rank-r basis can
     assert all(e >= a - 1e-6 for e, a in zip(res["energy_exact"], res["energy_subspace"]))
+
+
+def test_the_gpu_script_is_valid_shell_and_its_commands_parse():
+    """benchmarks/gpu.sh runs only where a GPU is; here: its shell syntax, every ``lordo bench`` line against
+    the parser, and every ``--set`` against the configuration."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from lordo.bench import make_parser
+    from lordo.config import build_config
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip().startswith("lordo bench")]
+    assert len(lines) == 4
+    for line in lines:
+        argv = shlex.split(line)[2:]
+        args = make_parser().parse_args(argv)
+        assert args.json and "cuda" in args.json
+        assert getattr(args, "device", "cuda") == "cuda" or any("cuda" in s for s in args.set)
+        if getattr(args, "set", None):
+            build_config(overrides=args.set)

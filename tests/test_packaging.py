@@ -23,3 +23,11 @@ def test_wheel_holds_the_package_the_entry_point_and_the_extras(tmp_path):
     for extra in ("report", "tb", "hf", "bench", "dev"):
         assert f"Provides-Extra: {extra}" in meta
     assert "License-Expression: Apache-2.0" in meta
+
+
+def test_python_dash_m_lordo_is_the_cli():
+    import lordo
+
+    done = subprocess.run([sys.executable, "-m", "lordo", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert lordo.__version__ in done.stdout + done.stderr

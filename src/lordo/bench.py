@@ -285,13 +285,17 @@ def _must(basis: torch.Tensor | None) -> torch.Tensor:
     return basis
 
 
-def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: str, iters: int = 1) -> dict[str, Any]:
+def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: str, iters: int = 1,
+                    device: torch.device | None = None) -> dict[str, Any]:
+    """Exact SVD vs warm-started subspace iteration on the pseudo-gradients of a short run (captured on the
+    CPU), timed on ``device``."""
     from .optim import captured_energy, subspace_iteration_basis, svd_basis
 
+    device = device or torch.device("cpu")
     print(f"training {preset} with lordo for {steps} steps on 4 simulated workers to capture pseudo-gradients ...")
     syncs = capture_pseudo_gradients(preset, steps, rank, data_dir)
     sync = syncs[-1]  # the second synchronisation: the previous basis is a real warm start
-    deltas, previous = sync["deltas"], sync["bases"]
+    deltas, previous = [d.to(device) for d in sync["deltas"]], [b.to(device) for b in sync["bases"]]
     def exact() -> None:
         for d in deltas:
             svd_basis(d, rank)
@@ -301,7 +305,7 @@ def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: s
             subspace_iteration_basis(d, rank, b, iters=iters)
 
     fns = {"exact SVD": exact, f"subspace iteration ({iters} it, warm)": warm}
-    times = time_interleaved(fns, rounds=rounds, warmup=1, device=torch.device("cpu"))
+    times = time_interleaved(fns, rounds=rounds, warmup=1, device=device)
     rows = summarize(times, "exact SVD")
     exact_bases = [_must(svd_basis(d, rank)) for d in deltas]
     approx = [_must(subspace_iteration_basis(d, rank, b, iters=iters)) for d, b in zip(deltas, previous)]
@@ -316,14 +320,14 @@ def basis_benchmark(preset: str, rank: int, steps: int, rounds: int, data_dir: s
     rows[1]["speedup"] = rows[0]["median_ms"] / rows[1]["median_ms"]
     shapes = sorted({tuple(d.shape) for d in deltas})
     print_table(f"basis refresh of {len(deltas)} matrices {shapes} at r = {rank} ({preset}, the pseudo-gradients of "
-                f"the second synchronisation), {rounds} rounds",
+                f"the second synchronisation), {device}, {rounds} rounds",
                 rows, [("name", "method", "s"), ("median_ms", "median ms (all matrices)", ".2f"), ("p25_ms", "p25", ".2f"),
                        ("p75_ms", "p75", ".2f"), ("speedup", "speed-up", ".1f"),
                        ("energy_vs_exact", "captured energy / exact (mean)", ".4f"),
                        ("energy_vs_exact_min", "min", ".4f")])
     print(f"captured energy of the exact top-{rank}: mean {statistics.mean(e_exact):.4f}; of the previous basis "
           f"(no refresh): mean {statistics.mean(e_old):.4f}")
-    return {"preset": preset, "rank": rank, "shapes": shapes, "rows": rows, "energy_exact": e_exact,
+    return {"preset": preset, "rank": rank, "device": str(device), "shapes": shapes, "rows": rows, "energy_exact": e_exact,
             "energy_subspace": e_approx, "energy_previous": e_old}
 
 
@@ -399,6 +403,7 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=32, help="training steps (two synchronisations)")
     b.add_argument("--iters", type=int, default=1, help="subspace iterations (the optimizer uses 1)")
     b.add_argument("--rounds", type=int, default=20)
+    b.add_argument("--device", default="cpu", help="where the bases are computed (the run that supplies them trains on the CPU)")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro")
     r.add_argument("--steps", type=int, default=64)
@@ -417,16 +422,17 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = make_parser().parse_args(argv)
     out = Path(args.json) if args.json else None
+    device = torch.device(getattr(args, "device", "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device")
     if args.what == "step":
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda: torch sees no CUDA device")
         res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers)
         shape = args.preset if not args.d_model else f"d{args.d_model}"
         write_json(out or Path(f"benchmarks/results/step-{shape}-{device.type}.json"), res)
     elif args.what == "basis":
-        res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters)
-        write_json(out or Path(f"benchmarks/results/basis-{args.preset}.json"), res)
+        res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
+        suffix = "" if device.type == "cpu" else f"-{device.type}"
+        write_json(out or Path(f"benchmarks/results/basis-{args.preset}{suffix}.json"), res)
     else:
         import tempfile
 
