@@ -74,9 +74,9 @@ def subspace_iteration_basis(
     against the full SVD's O(p·q²). The result spans the iterated subspace; its columns come in the previous
     basis's (Gram–Schmidt) order, not sorted by singular value: a Rayleigh–Ritz step would cost a third GEMM
     and an SVD, and the order does not matter, since the moments are rotated into whatever basis comes.
-    Without a previous basis it falls back to the exact SVD."""
+    Without a previous basis of ``rank`` columns it falls back to the exact SVD."""
     side = side or side_of(a.shape)
-    if previous is None:
+    if previous is None or previous.shape[1] != rank:
         return svd_basis(a, rank, side)
     m = _oriented(a.detach().float(), side)
     p = previous.float()
