@@ -45,3 +45,9 @@ def test_the_gpu_script_is_valid_shell_and_its_commands_parse():
         assert getattr(args, "device", "cuda") == "cuda" or any("cuda" in s for s in args.set)
         if getattr(args, "set", None):
             build_config(overrides=args.set)
+
+
+def test_a_bad_device_is_refused_by_name(capsys):
+    for bad in ("gpu", "mps"):
+        assert main(["bench", "step", "--preset", "nano", "--device", bad]) != 0
+        assert f"--device must be cpu, cuda or cuda:N, got {bad!r}" in capsys.readouterr().err

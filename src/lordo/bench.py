@@ -422,7 +422,12 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = make_parser().parse_args(argv)
     out = Path(args.json) if args.json else None
-    device = torch.device(getattr(args, "device", "cpu"))
+    try:
+        device = torch.device(getattr(args, "device", "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device")
     if args.what == "step":
