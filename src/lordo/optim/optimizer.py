@@ -108,6 +108,14 @@ class LowRankQHAdam(torch.optim.Optimizer):
             raise KeyError("parameter is not managed by this optimizer")
         return group
 
+    def _by_group(self, params: list[torch.Tensor]) -> list[tuple[dict, list[int]]]:
+        """``params`` split by parameter group, in order: (group, positions in ``params``) per group."""
+        by_group: dict[int, tuple[dict, list[int]]] = {}
+        for i, p in enumerate(params):
+            group = self._group_of(p)
+            by_group.setdefault(id(group), (group, []))[1].append(i)
+        return list(by_group.values())
+
     def _init_lowrank_state(self, p: torch.Tensor, group: dict, basis: torch.Tensor) -> dict:
         state = self.state[p]
         r = group["rank"]
@@ -233,11 +241,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def apply_lowrank_many(self, params: list[torch.Tensor], gs: list[torch.Tensor],
                            qh_grads: list[torch.Tensor] | None = None) -> None:
         """:meth:`apply_lowrank` on several matrices, batched per parameter group (multi-tensor moment math)."""
-        by_group: dict[int, tuple[dict, list[int]]] = {}
-        for i, p in enumerate(params):
-            group = self._group_of(p)
-            by_group.setdefault(id(group), (group, []))[1].append(i)
-        for group, index in by_group.values():
+        for group, index in self._by_group(params):
             ps = [params[i] for i in index]
             states = [self.state[p] for p in ps]
             steps = [s["step"] for s in states]
@@ -268,11 +272,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_full_rank_many(self, params: list[torch.Tensor]) -> None:
         """Full-rank QHAdam on ``params``, one multi-tensor call per parameter group."""
-        by_group: dict[int, tuple[dict, list[torch.Tensor]]] = {}
-        for p in params:
-            group = self._group_of(p)
-            by_group.setdefault(id(group), (group, []))[1].append(p)
-        for group, ps in by_group.values():
+        for group, index in self._by_group(params):
+            ps = [params[i] for i in index]
             states = [self.state[p] for p in ps]
             for p, state in zip(ps, states):
                 if "step" not in state:
