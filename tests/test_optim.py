@@ -267,16 +267,19 @@ def test_overlap_by_hand():
     assert overlap(rotated, e[:, :2]) == pytest.approx(1.0)  # same subspace, other basis
 
 
+@pytest.mark.parametrize("qh_source, after_qh", [("grad", "keep"), ("grad+error", "keep"), ("grad+error", "remove")])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
-def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
+def test_lowrank_step_equals_the_spec_written_out_in_float64(shape, qh_source, after_qh):
     """Seven steps with ω = 0.9, error feedback and weight decay against the formulas, term by term, with
     explicit projection matrices in float64 (no code shared with the optimizer); the basis changes before
-    step 5 (moments rotated as in LDAdam, E kept). Covers the deferred error feedback (steps 2-4 and 6-7)."""
+    step 5 (moments rotated as in LDAdam, E kept). Covers the deferred error feedback (steps 2-4 and 6-7),
+    both inputs of the full-rank term (G; A = G + E) and removing from E what that term applied."""
     torch.manual_seed(3)
     r, lr, b1, b2, eps, wd, omega = 3, 0.05, 0.8, 0.95, 1e-8, 0.1, 0.9
     w = torch.nn.Parameter(torch.randn(shape))
     q, _ = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))  # orthonormal columns
-    opt = LowRankQHAdam([{"params": [w], "rank": r}], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, omega=omega)
+    opt = LowRankQHAdam([{"params": [w], "rank": r}], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, omega=omega,
+                        qh_source=qh_source, error_feedback_after_qh=after_qh)
     opt.set_basis(w, q.float())
     right = shape[0] >= shape[1]  # compress the smaller side
     W, E = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
@@ -304,8 +307,11 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape):
         v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
         D = (v / (1 - b2**t)).sqrt() + eps
         ratio = (u / (1 - b1**t)) / D
-        U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * G / D.mean()
+        qh_input = G if qh_source == "grad" else A
+        U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * qh_input / D.mean()
         W = W * (1 - lr * wd) - lr * U
+        if qh_source == "grad+error" and after_qh == "remove":
+            E = omega * E  # the full-rank term applied (1 − ω)·E
         torch.testing.assert_close(w.detach().double(), W, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(opt.error_feedback(w).double(), E, rtol=1e-5, atol=1e-6)
 
@@ -360,17 +366,38 @@ def test_a_basis_without_orthonormal_columns_is_refused():
         opt.set_basis(w, torch.full((5, 2), float("nan")))
 
 
+@pytest.mark.parametrize("qh_source", ["grad", "grad+error"])
 @pytest.mark.parametrize("dtype, ef_dtype, deferred", [
     (torch.float32, None, True),
     (torch.float32, torch.bfloat16, False),  # a bf16 running sum would lose the outside part
     (torch.bfloat16, None, False),
 ])
-def test_error_feedback_is_deferred_only_at_full_precision(dtype, ef_dtype, deferred):
+def test_error_feedback_is_deferred_only_at_full_precision(dtype, ef_dtype, deferred, qh_source):
     torch.manual_seed(7)
     w = torch.nn.Parameter(torch.randn(10, 6, dtype=dtype))
-    opt = LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2, error_feedback_dtype=ef_dtype)
+    opt = LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2, error_feedback_dtype=ef_dtype, qh_source=qh_source)
     for _ in range(3):
         w.grad = torch.randn(10, 6, dtype=dtype)
         opt.step()
     assert opt.state[w].get("error_feedback_deferred", False) is deferred
     assert torch.isfinite(w).all()
+
+
+@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+def test_error_feedback_under_a_constant_gradient_by_hand(after_qh):
+    """A constant gradient G with a fixed basis: E sums G's part outside the subspace every step. Kept, it
+    grows linearly (t·G_out after t steps); removed after the full-rank term applied it (E ← ω·(E + G_out)),
+    it converges to ω/(1 − ω)·G_out."""
+    torch.manual_seed(8)
+    omega, steps = 0.9, 300
+    w = torch.nn.Parameter(torch.randn(10, 6))
+    opt = LowRankQHAdam([w], lr=1e-4, omega=omega, rank=2, qh_source="grad+error", error_feedback_after_qh=after_qh)
+    basis = torch.linalg.qr(torch.randn(6, 2))[0]
+    opt.set_basis(w, basis)
+    G = torch.randn(10, 6)
+    outside = G - G @ basis @ basis.T
+    for _ in range(steps):
+        w.grad = G.clone()
+        opt.step()
+    expected = steps * outside if after_qh == "keep" else omega / (1 - omega) * outside
+    torch.testing.assert_close(opt.error_feedback(w), expected, rtol=1e-3, atol=1e-3)

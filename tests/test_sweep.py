@@ -62,11 +62,17 @@ def test_bad_sweep_files_fail_before_running(tmp_path, text, message):
         load_sweep(write(tmp_path, text))
 
 
+def test_jobs_must_be_a_positive_integer(tmp_path):
+    sweep = load_sweep(write(tmp_path, '[grid]\n"train.seed" = [0]\n'), tmp_path / "out")
+    with pytest.raises(ConfigError, match="jobs must be an integer >= 1, got 0"):
+        run_sweep(sweep, jobs=0)
+
+
 def test_failed_point_is_recorded_the_sweep_goes_on_and_a_rerun_skips_done_points(tmp_path, data_dir):
     # rank 64 is larger than nano's 32×32 matrices: that point fails at start-up; rank 4 trains
     f = write(tmp_path, NANO_BASE.format(data=data_dir) + '[grid]\n"strategy.name" = ["lordo"]\n"strategy.rank" = [64, 4]\n')
     sweep = load_sweep(f, tmp_path / "out")
-    index = run_sweep(sweep, log=lambda _: None)
+    index = run_sweep(sweep, log=lambda _: None, jobs=2)  # both points at once; the index keeps file order
     assert [p["status"] for p in index["points"]] == ["failed", "done"]
     failed = json.loads((tmp_path / "out" / "name-lordo__rank-64" / "failed.json").read_text())
     assert failed["returncode"] == 2 and "strategy.rank must be in [1, 32]" in failed["stderr"]

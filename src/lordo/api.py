@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from .comm import Communicator, Ledger, make_communicator
@@ -76,6 +77,23 @@ class DistributedOptimizer:
         at the end of training (and before evaluating or saving a model mid-training if you need the
         global model; between synchronisations each worker holds its own)."""
         return self.strategy.finish()
+
+    @property
+    def in_sync(self) -> bool:
+        """True when every worker holds the same model: always for ``ddp`` and ``lowrank-ddp``; for the
+        local-update strategies right after a synchronisation (and at the start)."""
+        return self.strategy.in_sync
+
+    @torch.no_grad()
+    def average_into(self, model: nn.Module) -> None:
+        """Load into ``model`` (a spare replica of the same architecture) the mean of every worker's current
+        parameters: the model all workers would hold if they synchronised now, without changing the run.
+        A collective (every process must call it) that is not counted in the ledger; between
+        synchronisations it is the fair model to evaluate, where worker 0's own model has drifted."""
+        mine = [[p.detach().clone() for p in m.parameters()] for m in self.models]
+        self.comm.all_reduce_mean(mine, tag="evaluation", accounted=False)
+        for target, mean in zip(model.parameters(), mine[0], strict=True):
+            target.copy_(mean)
 
     @property
     def steps_done(self) -> int:

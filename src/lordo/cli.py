@@ -94,7 +94,7 @@ def _sweep(args: argparse.Namespace) -> int:
         for p in points:
             print(f"{sweep.out / p.name}: {' '.join(p.overrides) or '(base)'}")
         return 0
-    index = run_sweep(sweep)
+    index = run_sweep(sweep, jobs=args.jobs)
     failed = [p["name"] for p in index["points"] if p["status"] == "failed"]
     print(f"sweep {sweep.name}: {len(points) - len(failed)} of {len(points)} points done, results in {sweep.out}"
           + (f"; failed: {', '.join(failed)} (see failed.json in each)" if failed else ""))
@@ -207,6 +207,9 @@ def make_parser() -> argparse.ArgumentParser:
     sw.add_argument("file", metavar="FILE.toml", help="the sweep file")
     sw.add_argument("--out", metavar="DIR", help="results folder (default: results/<sweep name>)")
     sw.add_argument("--dry-run", action="store_true", help="list the points and their settings, run nothing")
+    sw.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="points run at once, each its own process (default 1); with N > 1 set train.threads so "
+                         "that N x threads fits the cores")
     sw.set_defaults(func=_sweep)
 
     rp = sub.add_parser(

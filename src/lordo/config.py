@@ -107,6 +107,10 @@ class TrainConfig:
     seed: int = _f(0, "seed of the model init and the batch sampler", _non_negative)
     eval_every: int = _f(100, "evaluate the validation loss every N steps (and at the end)", _positive)
     eval_batches: int = _f(16, "fixed validation batches per evaluation", _positive)
+    eval_model: str = _f("average", "which model an evaluation between synchronisations scores: average (the mean "
+                         "of every worker's parameters, the model a synchronisation would give; an extra all-reduce "
+                         "not counted in the ledger) or worker0 (worker 0's own drifting model, no communication)",
+                         _choice("average", "worker0"))
     log_every: int = _f(10, "write a metrics row every N steps", _positive)
     device: str = _f("auto", "auto = cuda if available, else cpu", _choice("auto", "cpu", "cuda"))
     compile: bool = _f(False, "torch.compile the model")
@@ -150,8 +154,13 @@ class StrategyConfig:
     basis_method: str = _f("subspace", "how bases are computed at a synchronisation: subspace (iteration warm-started from "
                            "the previous basis: 16-19x faster, the same quality in docs/performance.md) or exact svd "
                            "(initial bases are always exact)", _choice("svd", "subspace"))
-    qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper) or G + error feedback",
-                        _choice("grad", "grad+error"))
+    qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper's notation) or G + error "
+                        "feedback (grad+error: the research code)", _choice("grad", "grad+error"))
+    error_feedback_after_qh: str = _f("keep", "with qh_source = grad+error: what the full-rank term applied of the error "
+                                      "feedback E each step stays in E (keep: the research code; E can grow while a "
+                                      "basis stays) or is removed from it (remove: E <- omega * E, bounded)",
+                                      _choice("keep", "remove"))
+    basis_iterations: int = _f(1, "subspace-iteration steps per basis refresh (basis_method = subspace)", _positive)
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
                        "(pseudo-gradient and moments all-reduced in bfloat16) or int8 (pseudo-gradient quantised per "
                        "row to int8 and all-gathered; averaged moments in int8 too, second moments in the log domain)",

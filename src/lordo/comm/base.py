@@ -50,14 +50,18 @@ class Communicator(ABC):
                 raise ValueError("every worker must pass tensors of the same shapes")
         return first
 
-    def all_reduce_mean(self, per_worker: TensorLists, tag: str) -> None:
-        """Replace each worker's tensors, in place, by their mean over all workers."""
+    def all_reduce_mean(self, per_worker: TensorLists, tag: str, accounted: bool = True) -> None:
+        """Replace each worker's tensors, in place, by their mean over all workers.
+
+        ``accounted=False`` keeps the call out of the ledger: traffic that is not part of the training
+        algorithm (averaging the workers' models for an evaluation), which DDP would not need either."""
         first = self._check(per_worker)
         if self.world_size == 1:  # nothing to exchange, nothing to count
             return
         t0 = time.perf_counter()
         self._all_reduce_mean(per_worker)
-        self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+        if accounted:
+            self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
 
     def broadcast(self, per_worker: TensorLists, tag: str, src: int = 0) -> None:
         """Replace each worker's tensors, in place, by worker ``src``'s."""

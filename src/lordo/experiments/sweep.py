@@ -35,11 +35,13 @@ point leaves ``failed.json`` with its exit code and the end of its error output,
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,36 +128,52 @@ def load_sweep(path: str | Path, out: str | Path | None = None) -> Sweep:
     return sweep
 
 
-def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list[str] | None = None) -> dict:
-    """Run every point not done yet; returns (and writes to sweep.json) the index of points and statuses."""
+def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list[str] | None = None,
+              jobs: int = 1) -> dict:
+    """Run every point not done yet, ``jobs`` at a time (each its own process); returns (and writes to
+    sweep.json, after each point) the index of points and statuses, in file order."""
+    if not (isinstance(jobs, int) and jobs >= 1):
+        raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     sweep.out.mkdir(parents=True, exist_ok=True)
     base_file = sweep.out / "base.json"
     base_file.write_text(json.dumps(sweep.base, indent=2) + "\n")
     points = sweep.points()
     index: dict[str, Any] = {"name": sweep.name, "grid": sweep.grid, "cases": sweep.cases, "base": sweep.base, "points": []}
-    for i, point in enumerate(points, 1):
+    entries = [{"name": p.name, "values": p.values, "dir": str(sweep.out / p.name), "status": "pending"} for p in points]
+    index["points"] = entries
+    lock = threading.Lock()
+
+    def write_index() -> None:
+        with lock:
+            (sweep.out / "sweep.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def run_point(i: int) -> None:
+        point, entry = points[i], entries[i]
         folder = sweep.out / point.name
-        entry = {"name": point.name, "values": point.values, "dir": str(folder)}
         if (folder / "summary.json").exists():
             entry["status"] = "done"
-            log(f"[{i}/{len(points)}] {point.name}: already done")
+            log(f"[{i + 1}/{len(points)}] {point.name}: already done")
+            return
+        log(f"[{i + 1}/{len(points)}] {point.name}: running")
+        (folder / "failed.json").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "lordo.cli", "train", "--config", str(base_file), "--out", str(folder)]
+        for o in point.overrides:
+            cmd += ["--set", o]
+        cmd += list(extra_args or [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode == 0 and (folder / "summary.json").exists():
+            entry["status"] = "done"
         else:
-            log(f"[{i}/{len(points)}] {point.name}: running")
-            (folder / "failed.json").unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "lordo.cli", "train", "--config", str(base_file), "--out", str(folder)]
-            for o in point.overrides:
-                cmd += ["--set", o]
-            cmd += list(extra_args or [])
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode == 0 and (folder / "summary.json").exists():
-                entry["status"] = "done"
-            else:
-                folder.mkdir(parents=True, exist_ok=True)
-                failure = {"returncode": done.returncode, "stderr": done.stderr[-4000:], "command": cmd}
-                (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
-                entry["status"] = "failed"
-                last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-                log(f"    failed (exit {done.returncode}): {last}")
-        index["points"].append(entry)
-        (sweep.out / "sweep.json").write_text(json.dumps(index, indent=2) + "\n")
+            folder.mkdir(parents=True, exist_ok=True)
+            failure = {"returncode": done.returncode, "stderr": done.stderr[-4000:], "command": cmd}
+            (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
+            entry["status"] = "failed"
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            log(f"    {point.name} failed (exit {done.returncode}): {last}")
+        write_index()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in [pool.submit(run_point, i) for i in range(len(points))]:
+            future.result()
+    write_index()
     return index

@@ -27,17 +27,23 @@ def lowrank_qh_adam_update(
     eps: float,
     weight_decay: float,
     omega: float,
+    qh_lowrank: torch.Tensor | None = None,
 ) -> None:
     """One step from the low-rank gradient ``g`` (already projected):
 
         u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
         û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
-        U = ω·back(û/D) + (1−ω)·qh_grad/mean(D)
+        A = qh_grad − back(qh_lowrank)            (A = qh_grad when qh_lowrank is None)
+        U = ω·back(û/D) + (1−ω)·A/mean(D)
         W ← W·(1 − η·λ) − η·U
 
-    ``qh_grad`` is the full-rank gradient of the quasi-hyperbolic term (G, or G+E); unused when ω = 1."""
+    ``A`` is the full-rank gradient of the quasi-hyperbolic term (G, or G + E); unused when ω = 1 or
+    ``qh_grad`` is None. ``qh_lowrank`` (shaped like ``g``) lets a caller pass G + E as a running sum S and
+    its low-rank part, A = S − back(c), without forming A: the back-projection joins the GEMM of the
+    low-rank update."""
     lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step],
-                                lr, beta1, beta2, eps, weight_decay, omega)
+                                lr, beta1, beta2, eps, weight_decay, omega,
+                                qh_lowranks=None if qh_lowrank is None else [qh_lowrank])
 
 
 @torch.no_grad()
@@ -56,6 +62,7 @@ def lowrank_qh_adam_update_many(
     eps: float,
     weight_decay: float,
     omega: float,
+    qh_lowranks: list[torch.Tensor | None] | None = None,
 ) -> None:
     """:func:`lowrank_qh_adam_update` for several matrices: the moment math on the small low-rank tensors runs
     as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass."""
@@ -76,23 +83,29 @@ def lowrank_qh_adam_update_many(
     # synchronisation on GPUs
     totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(params)
     decay = 1 - lr * weight_decay
-    for param, qh_grad, basis, side, step, root, ratio, denom, total in zip(
-            params, qh_grads, bases, sides, steps, roots, ratios, denoms, totals):
+    lows = qh_lowranks if qh_lowranks is not None else [None] * len(params)
+    for param, qh_grad, low, basis, side, step, root, ratio, denom, total in zip(
+            params, qh_grads, lows, bases, sides, steps, roots, ratios, denoms, totals, strict=True):
         with_qh = qh and qh_grad is not None
+        # the QH term's scale: − η(1−ω)·A/mean(D) = − η(1−ω)·numel·sqrt(bc2)·A/sum(D')
+        kappa = lr * (1 - omega) * denom.numel() * root
+        alpha = -lr * (omega if with_qh else 1.0) * root / (1 - beta1**step)
+        if with_qh and low is not None:
+            assert total is not None
+            # + η(1−ω)·back(c)/mean(D) joins the low-rank update: one GEMM for both
+            ratio = torch.addcdiv(ratio.mul(alpha), low.to(ratio.dtype), total, value=kappa)
+            alpha = 1.0
         ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
         basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
         # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
-        alpha = -lr * (omega if with_qh else 1.0) * root / (1 - beta1**step)
         if side == RIGHT:
             param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
         else:
             param.addmm_(basis, ratio, beta=decay, alpha=alpha)
         if with_qh:
             assert qh_grad is not None and total is not None
-            # − η(1−ω)·G/mean(D) = − η(1−ω)·numel·sqrt(bc2)·G/sum(D')
             param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
-                           total if total.dtype == param.dtype else total.to(param.dtype),
-                           value=-lr * (1 - omega) * denom.numel() * root)
+                           total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa)
 
 
 @torch.no_grad()

@@ -14,11 +14,13 @@ from collections.abc import Iterable
 import torch
 
 from .functional import lowrank_qh_adam_update_many, qh_adam_update_many
-from .lowrank import back_project, project, project_with_feedback, remove_projection, rotate_moments
+from .lowrank import project, project_with_feedback, remove_projection, rotate_moments
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 QH_SOURCES = ("grad", "grad+error")
+AFTER_QH = ("keep", "remove")
 DEFERRED = "error_feedback_deferred"  # state flag (a bool): E is a running sum, see project_gradients
+INSIDE = "error_feedback_inside"  # with a deferred buffer S and qh_source grad+error: proj(S), low-rank
 BASIS_METHODS = ("svd", "subspace")
 
 
@@ -33,7 +35,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
     basis comes from its first gradient unless set; :meth:`refresh_basis` / :meth:`set_basis` change it and
     rotate the moments (LDAdam). ``omega=1`` is plain low-rank Adam; ``omega=1, rank=None`` is AdamW.
     ``basis_method``: ``svd`` (exact) or ``subspace`` (warm-started subspace iteration).
-    ``qh_source``: ``grad`` (G, the paper) or ``grad+error`` (G + E) in the full-rank term.
+    ``qh_source``: ``grad`` (G, the paper's notation) or ``grad+error`` (A = G + E, the research code) in
+    the full-rank term. ``error_feedback_after_qh``: with ``grad+error`` the full-rank term applies E's part
+    (1 − ω)·E every step; ``keep`` leaves it in E as well (the research code: E sums every dropped gradient
+    while the basis stays and can grow without bound), ``remove`` takes it out (E ← ω·E after each step:
+    E holds only what no update has applied yet, and stays bounded). With ``grad`` the term applies none of
+    E and both are the same. ``basis_iterations``: subspace-iteration steps per basis refresh.
     ``error_feedback_dtype``: dtype of the error-feedback buffers (default: the parameter's); bfloat16
     halves them, while G + E is still formed in the parameter's precision each step.
     """
@@ -51,6 +58,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
         qh_source: str = "grad",
         basis_method: str = "svd",
         error_feedback_dtype: torch.dtype | None = None,
+        error_feedback_after_qh: str = "keep",
+        basis_iterations: int = 1,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -63,6 +72,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
             qh_source=qh_source,
             basis_method=basis_method,
             error_feedback_dtype=error_feedback_dtype,
+            error_feedback_after_qh=error_feedback_after_qh,
+            basis_iterations=basis_iterations,
         )
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -83,6 +94,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
             raise ValueError(f"qh_source must be one of {QH_SOURCES}, got {group['qh_source']!r}")
         if group["basis_method"] not in BASIS_METHODS:
             raise ValueError(f"basis_method must be one of {BASIS_METHODS}, got {group['basis_method']!r}")
+        if group["error_feedback_after_qh"] not in AFTER_QH:
+            raise ValueError(f"error_feedback_after_qh must be one of {AFTER_QH}, got {group['error_feedback_after_qh']!r}")
+        iters = group["basis_iterations"]
+        if not (isinstance(iters, int) and not isinstance(iters, bool) and iters >= 1):
+            raise ValueError(f"basis_iterations must be an integer >= 1, got {iters!r}")
         if group["rank"] is not None:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -133,7 +149,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         group = self._group_of(p)
         previous = self.state[p].get("basis")
         if group["basis_method"] == "subspace":
-            return subspace_iteration_basis(matrix, group["rank"], previous)
+            return subspace_iteration_basis(matrix, group["rank"], previous, iters=group["basis_iterations"])
         return svd_basis(matrix, group["rank"])
 
     @torch.no_grad()
@@ -194,13 +210,18 @@ class LowRankQHAdam(torch.optim.Optimizer):
             state, grad, side = self.state[p], grad_of(p), side_of(p.shape)
             basis = state["basis"] if state["basis"].dtype == grad.dtype else state["basis"].to(grad.dtype)
             if state.get(DEFERRED):
-                out.append(project(grad, basis, side))
+                g = project(grad, basis, side)
+                if INSIDE in state:
+                    state[INSIDE].add_(g)  # proj(S) follows S
+                out.append(g)
                 continue
             error = state.get("error_feedback")
             out.append(project_with_feedback(grad, error, basis, side))
-            if (error is not None and error.dtype == grad.dtype and error.dtype in (torch.float32, torch.float64)
-                    and self._group_of(p)["qh_source"] == "grad"):
+            if error is not None and error.dtype == grad.dtype and error.dtype in (torch.float32, torch.float64):
                 state[DEFERRED] = True
+                group = self._group_of(p)
+                if group["qh_source"] == "grad+error" and group["omega"] < 1:
+                    state[INSIDE] = torch.zeros_like(out[-1])  # E lies outside the subspace: proj(E) = 0
         return out
 
     # Deferred error feedback. After a step in basis P, E = A − back(proj(A)) has no component in P's subspace
@@ -208,12 +229,15 @@ class LowRankQHAdam(torch.optim.Optimizer):
     # (E_s + G_s+1 + ... + G_t) with its component in the subspace removed: the buffer only needs to sum the
     # gradients (one elementwise pass instead of a pass and two GEMMs per step), and the projection is removed
     # once, when the basis changes. The flag (a bool in the state, so saved and restored with it: a resumed run
-    # continues bit for bit) says the buffer holds that sum. Used for buffers at the gradient's precision only
-    # (a bf16 running sum would drown the small outside part in the large inside one) and with qh_source
-    # "grad" (grad+error reads E every step).
+    # continues bit for bit) says the buffer holds that sum S. With qh_source "grad+error" the full-rank term
+    # needs A = G + E_before = S − back(c_before) every step; c = proj(S) is kept alongside (low-rank, updated
+    # with each projected gradient), so A is never formed: back(c) joins the low-rank update's GEMM. Used for
+    # buffers at the gradient's precision only (a bf16 running sum would drown the small outside part in the
+    # large inside one).
 
     def _settle(self, p: torch.Tensor) -> None:
         state = self.state[p]
+        state.pop(INSIDE, None)
         if state.pop(DEFERRED, False):
             remove_projection(state["error_feedback"], state["basis"], side_of(p.shape))
 
@@ -240,30 +264,51 @@ class LowRankQHAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_lowrank_many(self, params: list[torch.Tensor], gs: list[torch.Tensor],
                            qh_grads: list[torch.Tensor] | None = None) -> None:
-        """:meth:`apply_lowrank` on several matrices, batched per parameter group (multi-tensor moment math)."""
+        """:meth:`apply_lowrank` on several matrices, batched per parameter group (multi-tensor moment math).
+
+        With ``qh_source = "grad+error"`` the ``gs`` must be the projections of this step's own gradients
+        (what :meth:`project_gradients` returned), as A is rebuilt from them."""
         for group, index in self._by_group(params):
             ps = [params[i] for i in index]
+            gs_group = [gs[i] for i in index]
             states = [self.state[p] for p in ps]
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
-            sides = [side_of(p.shape) for p in ps]
-            qh: list[torch.Tensor | None]
-            if qh_grads is not None:
-                qh = [qh_grads[i] for i in index]
-            elif group["omega"] == 1:
-                qh = [None] * len(ps)
-            elif group["qh_source"] == "grad+error":
-                # A = G + E_before = E_after + back(g)
-                qh = [s["error_feedback"] + back_project(g, s["basis"], side) if "error_feedback" in s else p.grad
-                      for p, s, g, side in zip(ps, states, [gs[i] for i in index], sides)]
-            else:
-                qh = [p.grad for p in ps]
+            qh, lows = self._qh_inputs(group, ps, states, gs_group, None if qh_grads is None else [qh_grads[i] for i in index])
             b1, b2 = group["betas"]
             lowrank_qh_adam_update_many(
-                ps, [gs[i] for i in index], qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["basis"] for s in states], sides, [int(t) for t in torch.stack(steps).tolist()],
-                group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
+                ps, gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["basis"] for s in states], [side_of(p.shape) for p in ps], [int(t) for t in torch.stack(steps).tolist()],
+                group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"], qh_lowranks=lows,
             )
+            if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
+                # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
+                buffers = [s[key] for s in states for key in ("error_feedback", INSIDE) if key in s]
+                if buffers:
+                    torch._foreach_mul_(buffers, group["omega"])
+
+    def _qh_inputs(self, group: dict, ps: list[torch.Tensor], states: list[dict], gs: list[torch.Tensor],
+                   given: list[torch.Tensor] | None) -> tuple[list, list | None]:
+        """The full-rank term's input per matrix as (full-size part, low-rank part): A = full − back(low)."""
+        if given is not None:
+            return list(given), None
+        if group["omega"] == 1:
+            return [None] * len(ps), None
+        if group["qh_source"] == "grad":
+            return [p.grad for p in ps], None
+        full, lows = [], []
+        for p, state, g in zip(ps, states, gs):
+            error = state.get("error_feedback")
+            if error is None:  # error feedback off: A = G
+                full.append(p.grad)
+                lows.append(None)
+            elif INSIDE in state:  # deferred: A = S − back(c − g), S the running sum after this step
+                full.append(error)
+                lows.append(state[INSIDE] - g)
+            else:  # A = G + E_before = E_after + back(g)
+                full.append(error)
+                lows.append(-g)
+        return full, lows
 
     @torch.no_grad()
     def apply_full_rank(self, p: torch.Tensor) -> None:
@@ -319,4 +364,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 if group["error_feedback"]:
                     ef_dtype = group.get("error_feedback_dtype") or p.dtype
                     out["error_feedback"] += p.numel() * torch.empty((), dtype=ef_dtype).element_size()
+                    deferrable = ef_dtype == p.dtype and p.dtype in (torch.float32, torch.float64)
+                    if deferrable and group["qh_source"] == "grad+error" and group["omega"] < 1:
+                        out["error_feedback"] += big * r * itemsize  # proj(E) of the deferred buffer
         return out

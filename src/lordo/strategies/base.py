@@ -89,6 +89,11 @@ class Strategy(ABC):
         """Bring the workers to one model at the end of training (a final sync if one is pending)."""
         return {}
 
+    @property
+    def in_sync(self) -> bool:
+        """True when every worker holds the same model (always, for synchronous strategies)."""
+        return True
+
     # state: what every worker holds alike ("shared", saved once) and what each hosted worker holds alone
     # ("workers", one entry per hosted worker: its optimizer's moments, bases, error feedback)
 

@@ -35,6 +35,7 @@ class LocalUpdateStrategy(Strategy):
         self.anchor = [p.detach().clone() for p in self.params[0]]
         self.outer_momentum = [torch.zeros_like(p) for p in self.anchor] if self.momentum > 0 else []
         self.syncs = 0
+        self.synced_at = 0  # the step of the last synchronisation (0: the replicas start equal)
         # compressed synchronisations: each worker keeps what compression lost (error feedback), full size
         self.compress = s.compress
         feedback = self.compress != "none" and s.compress_feedback
@@ -127,7 +128,12 @@ class LocalUpdateStrategy(Strategy):
             for p, a in zip(params, self.anchor):
                 p.copy_(a)
         self.syncs += 1
+        self.synced_at = self.steps_done
         return stats
+
+    @property
+    def in_sync(self) -> bool:
+        return self.synced_at == self.steps_done
 
     @torch.no_grad()
     def average_pseudo_gradients(self, pseudo: list[list[torch.Tensor]]) -> None:
@@ -195,12 +201,15 @@ class LocalUpdateStrategy(Strategy):
         return {
             "steps_done": self.steps_done,
             "syncs": self.syncs,
+            "synced_at": self.synced_at,
             "anchor": [a.clone() for a in self.anchor],
             "outer_momentum": [b.clone() for b in self.outer_momentum],
         }
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
         self.steps_done, self.syncs = int(state["steps_done"]), int(state["syncs"])
+        # older checkpoints lack it: they were taken after the step's synchronisation, if one was due
+        self.synced_at = int(state.get("synced_at", self.steps_done - self.steps_done % self.sync_every))
         for a, s in zip(self.anchor, state["anchor"], strict=True):
             a.copy_(s)
         for b, s in zip(self.outer_momentum, state["outer_momentum"], strict=True):

@@ -56,6 +56,17 @@ def split_lowrank(groups: list[ParamGroup], pattern: str, rank: int) -> tuple[li
     return out, lowrank_names
 
 
+@torch.no_grad()
+def error_feedback_ratio(opt: LowRankQHAdam, params: list[torch.Tensor], weights: list[torch.Tensor]) -> float | None:
+    """Mean over low-rank matrices of ‖E‖/‖W‖ (None without error feedback): watches E's growth."""
+    ratios = []
+    for p, w in zip(params, weights, strict=True):
+        error = opt.error_feedback(p)
+        if error is not None:
+            ratios.append(float(error.float().norm()) / max(float(w.float().norm()), 1e-12))
+    return sum(ratios) / len(ratios) if ratios else None
+
+
 def make_lowrank_optimizer(groups: list[ParamGroup], cfg, omega: float, error_feedback: bool | None = None) -> LowRankQHAdam:
     s, o = cfg.strategy, cfg.optim
     specs, _ = split_lowrank(groups, s.lowrank_pattern, s.rank)
@@ -77,6 +88,8 @@ def make_lowrank_optimizer(groups: list[ParamGroup], cfg, omega: float, error_fe
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source,
         basis_method=s.basis_method,
+        basis_iterations=s.basis_iterations,
+        error_feedback_after_qh=s.error_feedback_after_qh,
         error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
     )
 
@@ -125,6 +138,8 @@ class LoRDOStrategy(LocalUpdateStrategy):
     @torch.no_grad()
     def after_average(self, delta: list[torch.Tensor]) -> dict[str, float]:
         opt0 = self.optimizers[0]
+        # worker 0's error feedback against the weights it belongs to (the anchor: the parameters hold Δ now)
+        ef_ratio = error_feedback_ratio(opt0, self.lowrank(0), [self.anchor[i] for i in self.lowrank_index])
         overlaps, outside, energy = [], 0.0, 0.0
         for k, i in enumerate(self.lowrank_index):
             d = delta[i]
@@ -149,10 +164,13 @@ class LoRDOStrategy(LocalUpdateStrategy):
                 new = opt0.state[p0]["basis"]
             overlaps.append(overlap(new, old))
         self._local_grads = None
-        return {
+        stats = {
             "basis_overlap": sum(overlaps) / len(overlaps),
             "residual_energy": outside / energy if energy > 0 else 0.0,
         }
+        if ef_ratio is not None:
+            stats["error_feedback_norm"] = ef_ratio
+        return stats
 
     def optimizer_bytes(self) -> dict[str, int]:
         return self.optimizers[0].state_bytes()

@@ -12,7 +12,7 @@ import torch
 
 from ..optim import LowRankQHAdam, captured_energy, grad_of, overlap
 from .base import Strategy, clip_gradients, tensor_bytes
-from .lordo import make_lowrank_optimizer
+from .lordo import error_feedback_ratio, make_lowrank_optimizer
 
 
 class LowRankDDPStrategy(Strategy):
@@ -48,7 +48,11 @@ class LowRankDDPStrategy(Strategy):
                 opt.set_basis(self.lowrank_sets[w][k], new)
         if not overlaps:
             return {}
-        return {"basis_overlap": sum(overlaps) / len(overlaps), "residual_energy": outside / energy if energy else 0.0}
+        stats = {"basis_overlap": sum(overlaps) / len(overlaps), "residual_energy": outside / energy if energy else 0.0}
+        ef_ratio = error_feedback_ratio(opt0, self.lowrank_sets[0], self.lowrank_sets[0])
+        if ef_ratio is not None:
+            stats["error_feedback_norm"] = ef_ratio
+        return stats
 
     def step(self, lr: float) -> dict[str, float]:
         self.grads()  # raises if backward was not called

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -99,6 +100,17 @@ def _noop(_: str) -> None:
     pass
 
 
+def _model_to_score(optimizer: DistributedOptimizer, model: torch.nn.Module, spare: torch.nn.Module | None):
+    """The model an evaluation scores and its label for metrics.jsonl: ``synced`` (every worker holds it),
+    ``average`` (the workers' mean, loaded into ``spare``; a collective on every process) or ``worker0``."""
+    if optimizer.in_sync:
+        return model, "synced"
+    if spare is None:
+        return model, "worker0"
+    optimizer.average_into(spare)
+    return spare, "average"
+
+
 def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, stream: TextIO | None = None) -> dict:
     """Run one training job described by ``cfg``; the main process writes config.json, metrics.jsonl and
     summary.json to ``out_dir`` and returns the summary (other processes return it too, without files)."""
@@ -178,6 +190,8 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
     )
     log(format_groups(optimizer.groups[0]))
     forwards = [torch.compile(m) if t.compile else m for m in models]
+    # between synchronisations the workers' models differ: evaluate their average in a spare replica
+    spare = copy.deepcopy(models[0]) if t.eval_model == "average" and comm.world_size > 1 else None
     samplers = [BatchSampler(data.train, cfg.model.seq_len, t.batch_size, t.seed, r, comm.world_size) for r in comm.local_ranks]
     val = eval_batches(data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
     tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
@@ -255,7 +269,8 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
     progress = Progress(t.steps, stream, every=max(t.log_every, t.steps // 20))
     if start == 0:
         val_loss = evaluate(models[0], val, device) if main else float("nan")
-        metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss), "comm_bytes": 0}) + "\n")
+        metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
+                                  "eval_model": "synced", "comm_bytes": 0}) + "\n")
         if board is not None:
             board.add_scalar("val_loss", val_loss, 0)
             board.add_scalar("val_ppl", math.exp(val_loss), 0)
@@ -298,7 +313,7 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
                 if finite:
                     loss_sum, loss_n = loss_sum + loss_value, loss_n + 1
 
-                for key in ("basis_overlap", "residual_energy"):
+                for key in ("basis_overlap", "residual_energy", "error_feedback_norm"):
                     if key in stats:
                         diagnostics.setdefault(key, []).append(stats[key])
                 row: dict[str, Any] = {}
@@ -307,11 +322,14 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
                     row["train_loss"] = loss_sum / loss_n if loss_n else float("nan")
                     row.update(stats)
                     loss_sum, loss_n = 0.0, 0
-                evaluated = main and (step % t.eval_every == 0 or step == t.steps)
+                evaluated = step % t.eval_every == 0 or step == t.steps
                 if evaluated:
-                    # worker 0's model; it equals the global model at synchronisation steps and at the end
-                    val_loss = evaluate(models[0], val, device)
-                    row.update({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss, "val_ppl": math.exp(val_loss)})
+                    scored, which = _model_to_score(optimizer, models[0], spare)
+                    if main:
+                        val_loss = evaluate(scored, val, device)
+                        row.update({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
+                                    "val_ppl": math.exp(val_loss), "eval_model": which})
+                evaluated = evaluated and main
                 if row:
                     row["comm_bytes"] = comm.ledger.total_bytes
                     metrics.write(json.dumps(row) + "\n")
@@ -382,6 +400,7 @@ def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> d
     }
     for key, values in diagnostics.items():
         summary[f"{key}_mean"] = sum(values) / len(values)
+        summary[f"{key}_last"] = values[-1]
     if main:
         torch.save(models[0].state_dict(), out / "model.pt")
         _write_json(out / "summary.json", summary)
