@@ -165,3 +165,24 @@ def test_public_api_is_what_init_lists():
         assert getattr(lordo, name) is not None
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["version"] == lordo.__version__
+
+
+def test_average_into_is_the_mean_of_the_workers_and_not_in_the_ledger():
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 8), nn.Linear(8, 32)) for _ in range(3)]
+    opt = lordo.distributed(models, "lordo", backend="sim", rank=2, sync_every=4)
+    for step in range(2):
+        for i, m in enumerate(models):
+            tokens = torch.randint(0, 32, (4, 5), generator=torch.Generator().manual_seed(10 * step + i))
+            nn.functional.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+    assert not opt.in_sync
+    before = opt.ledger.table()
+    spare = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 8), nn.Linear(8, 32))
+    opt.average_into(spare)
+    for got, *replicas in zip(spare.parameters(), *(m.parameters() for m in models)):
+        torch.testing.assert_close(got, sum(p.detach() for p in replicas) / 3)
+    assert opt.ledger.table() == before
+    assert not torch.equal(next(models[0].parameters()), next(models[1].parameters()))  # the run is untouched
+    opt.finish()
+    assert opt.in_sync

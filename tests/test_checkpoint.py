@@ -228,7 +228,7 @@ def test_nonfinite_pseudo_gradient_stops_at_the_sync(data_dir, tmp_path, monkeyp
     def synchronise(self):
         if self.syncs == 1:  # worker 1 arrives at the second sync with a poisoned parameter
             with torch.no_grad():
-                self.params[1][0].view(-1)[0] = float("inf")
+                self.workers[1].params[0].view(-1)[0] = float("inf")
         return original(self)
 
     monkeypatch.setattr(LocalUpdateStrategy, "synchronise", synchronise)
@@ -292,3 +292,14 @@ def test_fuzzed_checkpoint_files_and_config_files_give_clear_errors(tmp_path):
             assert str(config) in str(exc)
             errors += 1
     assert errors >= 55
+
+
+def test_a_config_written_before_a_field_existed_resumes_with_its_old_behaviour():
+    from lordo.train.checkpoint import config_differences
+
+    current = build_config(overrides=['strategy.name="lordo"', 'strategy.error_feedback_after_qh="keep"']).to_dict()
+    older = json.loads(json.dumps(current))
+    del older["strategy"]["error_feedback_after_qh"], older["strategy"]["basis_iterations"], older["train"]["eval_model"]
+    assert config_differences(older, current) == []
+    current["strategy"]["error_feedback_after_qh"] = "remove"
+    assert config_differences(older, current) == ["strategy.error_feedback_after_qh: 'keep' in the checkpoint, 'remove' now"]

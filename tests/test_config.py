@@ -1,6 +1,18 @@
 import pytest
 
-from lordo.config import STRATEGY_NAMES, build_config, describe, parse_override
+from lordo.config import (
+    DEFAULT_LR,
+    STRATEGY_NAMES,
+    Config,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    StrategyConfig,
+    TrainConfig,
+    build_config,
+    describe,
+    parse_override,
+)
 from lordo.errors import ConfigError
 
 
@@ -75,3 +87,22 @@ def test_default_lr_is_the_strategys_tuned_one_and_an_explicit_lr_wins():
     assert set(DEFAULT_LR) == set(STRATEGY_NAMES)
     with pytest.raises(ConfigError, match="optim.lr must be >= 0"):
         build_config(overrides=["optim.lr=-1"])
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: StrategyConfig(rank=-5), r"strategy.rank must be > 0, got -5"),
+    (lambda: StrategyConfig(name="nonsense"), r"strategy.name must be one of 'ddp', .*got 'nonsense'"),
+    (lambda: OptimConfig(lr="fast"), r"optim.lr must be a number, got 'fast'"),
+    (lambda: ModelConfig(d_model=30, n_heads=4), r"model.d_model \(30\) must be divisible by model.n_heads \(4\)"),
+    (lambda: Config(schedule=ScheduleConfig(warmup_steps=100), train=TrainConfig(steps=10)),
+     r"schedule.warmup_steps \(100\) must be smaller than train.steps \(10\)"),
+])
+def test_configs_are_checked_when_constructed(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_a_default_config_trains_at_its_strategys_learning_rate():
+    assert Config().optim.lr == DEFAULT_LR["ddp"]
+    assert Config(strategy=StrategyConfig(name="lordo")).optim.lr == DEFAULT_LR["lordo"]
+    assert OptimConfig(lr=3).lr == 3.0 and isinstance(OptimConfig(lr=3).lr, float)  # coerced like a config file's

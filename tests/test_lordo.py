@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lordo.comm import SimCommunicator
-from lordo.errors import ConfigError
+from lordo.errors import ConfigError, NonFiniteError
 from lordo.model import group_parameters
 from lordo.strategies import build_strategy
 
@@ -189,3 +189,87 @@ def test_memory_by_category():
 def test_bad_options_give_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         make("lordo", [override])
+
+
+@pytest.mark.parametrize("name", ["local-adam", "lordo"])
+def test_a_failed_synchronisation_rolls_every_replica_back_to_the_anchor(name):
+    """A non-finite averaged pseudo-gradient raises, and every worker then holds the model of the previous
+    synchronisation again (not the averaged pseudo-gradient its parameters held during the sync)."""
+    models, strategy, _ = make(name)
+    train_steps(models, strategy, 0, 3)  # one sync (K = 3)
+    synced = [p.detach().clone() for p in strategy.workers[0].params]
+    train_steps(models, strategy, 3, 5)
+    with torch.no_grad():
+        strategy.workers[1].params[0].view(-1)[0] = float("inf")
+    for rank, model in enumerate(models):
+        model(*batch(rank, 5))[1].backward()
+    with pytest.raises(NonFiniteError, match="reset to the model of the previous synchronisation"):
+        strategy.step(1e-2)
+    for w in strategy.workers:
+        for a, b, c in zip(w.params, synced, strategy.anchor, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_strategies_take_injected_optimizers_without_a_config():
+    """The library without the CLI's schema: torch's AdamW inside, DiLoCo's Nesterov SGD outside, against the
+    outer step written out by hand (buffer b ← μ·b + Δ, anchor ← anchor − η·(Δ + μ·b))."""
+    from lordo.strategies import LocalUpdateStrategy
+
+    models = [tiny_model() for _ in range(2)]
+    strategy = LocalUpdateStrategy(
+        models, SimCommunicator(2), optimizers=[torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models],
+        sync_every=2, outer_optimizer=lambda anchor: torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True))
+    expected = [p.detach().clone() for p in models[0].parameters()]
+    buffers = [torch.zeros_like(a) for a in expected]
+    deltas = []
+    strategy.after_average = lambda delta: deltas.append([d.clone() for d in delta]) or {}  # type: ignore[method-assign]
+    for step in range(6):
+        for rank, model in enumerate(models):
+            model(*batch(rank, step))[1].backward()
+        strategy.step(1e-2)
+        if strategy.steps_done % 2 == 0:
+            for b, d in zip(buffers, deltas[-1]):
+                b.mul_(0.9).add_(d)
+            expected = [a - 0.7 * (d + 0.9 * b) for a, d, b in zip(expected, deltas[-1], buffers)]
+            for model in models:
+                for p, a in zip(model.parameters(), expected):
+                    torch.testing.assert_close(p.detach(), a, rtol=1e-6, atol=1e-7)
+    assert len(deltas) == 3 and all(bool(d[0].abs().sum() > 0) for d in deltas)
+
+
+def test_keyword_arguments_are_checked():
+    from lordo.strategies import LocalUpdateStrategy
+
+    models = [tiny_model()]
+    opts = [torch.optim.AdamW(models[0].parameters())]
+    with pytest.raises(ConfigError, match="sync_every must be an integer >= 1, got 0"):
+        LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=0)
+    with pytest.raises(ConfigError, match="compress must be one of none, bf16, int8, got 'fp4'"):
+        LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=2, compress="fp4")
+    partial = [torch.optim.AdamW(list(models[0].parameters())[1:])]
+    with pytest.raises(ConfigError, match="does not hold the trainable parameter.*tok_emb.weight"):
+        LocalUpdateStrategy(models, SimCommunicator(1), optimizers=partial, sync_every=2)
+
+
+def test_a_format_1_outer_momentum_loads_into_the_outer_optimizer():
+    """Checkpoints before the outer optimizer held the Nesterov buffers as a list ``outer_momentum``; loaded
+    into torch's SGD they continue the run exactly."""
+    dilo = ["strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"]
+    models, strategy, _ = make("local-adam", dilo)
+    train_steps(models, strategy, 0, 10)
+    strategy.finish()
+    reference = [p.detach().clone() for p in models[0].parameters()]
+
+    models, strategy, _ = make("local-adam", dilo)
+    train_steps(models, strategy, 0, 7)  # two syncs (K = 3): the buffers hold something
+    state = strategy.state_dict()
+    outer = state["shared"].pop("outer_optimizer")
+    state["shared"]["outer_momentum"] = [outer["state"][i]["momentum_buffer"] for i in range(len(strategy.anchor))]
+    models2, strategy2, _ = make("local-adam", dilo)
+    for m, src in zip(models2, models):
+        m.load_state_dict(src.state_dict())
+    strategy2.load_state_dict(state)
+    train_steps(models2, strategy2, 7, 10)
+    strategy2.finish()
+    for a, b in zip(reference, models2[0].parameters()):
+        assert torch.equal(a, b)

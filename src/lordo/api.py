@@ -129,7 +129,7 @@ class DistributedOptimizer:
         moments of every trained parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
         report = dict(self.strategy.state_bytes())
         report["total"] = sum(report.values())
-        report["adamw"] = 2 * 4 * sum(p.numel() for p in self.strategy.params[0])
+        report["adamw"] = 2 * 4 * sum(p.numel() for p in self.strategy.workers[0].params)
         return report
 
     def comm_report(self) -> dict[str, Any]:

@@ -121,7 +121,7 @@ FLOOR = "2 rank-r GEMMs per matrix alone (floor)"
 def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.device, d_model: int | None = None,
                    n_layers: int | None = None, peers: bool = True) -> dict[str, Any]:
     """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients."""
-    from .strategies.lordo import make_lowrank_optimizer
+    from .strategies import make_lowrank_optimizer
 
     model, groups = _model_params(preset, device, d_model, n_layers)
     matrices = [p for g in groups if g.rule.matrix for p in g.params]
@@ -153,9 +153,10 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
 
     cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
     gs, _, _ = replica()
-    optimizers["lordo (LowRankQHAdam)"] = make_lowrank_optimizer(gs, cfg, omega=cfg.strategy.omega)
+    optimizers["lordo (LowRankQHAdam)"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
     gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
-    optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg, omega=cfg.strategy.omega, error_feedback=False)
+    optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
+                                                                     error_feedback=False)
 
     if peers:
         huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
@@ -265,7 +266,7 @@ def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, 
 
     def capture(delta):
         low = strategy.lowrank_index
-        bases = [strategy.optimizers[0].state[strategy.params[0][i]]["basis"].clone() for i in low]
+        bases = [strategy.optimizer(0).state[p]["basis"].clone() for p in strategy.lowrank(0)]
         captured.append({"deltas": [delta[i].detach().clone() for i in low], "bases": bases})
         return original(delta)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .errors import ConfigError
 
@@ -57,11 +58,31 @@ def _f(default: Any, help: str, check: Callable[[Any], str | None] | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# sections
+# sections: each checks its fields when constructed (types coerced: 3 → 3.0 for a float field), so an invalid
+# section cannot exist; Config checks the rules across sections.
+
+
+class _Section:
+    _name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        types = _field_types(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            value = _coerce(self._name, f.name, types[f.name], getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            check = f.metadata.get("check")
+            problem = check(value) if check is not None else None
+            if problem:
+                raise ConfigError(f"{self._name}.{f.name} {problem}, got {value!r}")
+        self._check()
+
+    def _check(self) -> None:
+        """Rules between this section's fields."""
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(_Section):
+    _name = "model"
     preset: str = _f("micro", "size preset; its values fill every shape field not set explicitly")
     d_model: int = _f(128, "residual width", _positive)
     n_layers: int = _f(4, "transformer blocks", _positive)
@@ -72,16 +93,32 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", _positive)
     init_std: float = _f(0.02, "std of the normal weight init", _positive)
 
+    def _check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"model.d_model / model.n_heads must be even for RoPE, got {self.d_model // self.n_heads}")
+
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(_Section):
+    _name = "data"
     dir: str = _f("data", "folder holding package archives (packages/) and prepared token files")
     vocab_size: int = _f(4096, "BPE vocabulary size (at most 65535: tokens are stored as uint16)")
     val_fraction: float = _f(0.05, "share of documents held out for validation (chosen by a hash of their id)")
 
+    def _check(self) -> None:
+        if not 256 < self.vocab_size <= 65535:
+            raise ConfigError(
+                f"data.vocab_size must be in (256, 65535] (byte alphabet plus merges, uint16 storage), got {self.vocab_size}"
+            )
+        if not 0 < self.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(_Section):
+    _name = "optim"
     lr: float = _f(0.0, "peak learning rate; 0 = the strategy's default: 3e-3 for ddp and local-adam (AdamW), 6e-3 for "
                    "lordo, lordo-local, lordo-global-noqh and lowrank-ddp (the better of 3e-3 and 6e-3 for each on "
                    "micro, sweeps/lr.toml)", _non_negative)
@@ -93,7 +130,8 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class ScheduleConfig:
+class ScheduleConfig(_Section):
+    _name = "schedule"
     kind: str = _f("cosine", "learning-rate schedule", _choice("cosine", "wsd", "constant"))
     warmup_steps: int = _f(50, "linear warm-up steps from 0 to the peak lr", _non_negative)
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine, wsd)", _unit_closed)
@@ -101,7 +139,8 @@ class ScheduleConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(_Section):
+    _name = "train"
     steps: int = _f(600, "optimizer steps", _positive)
     batch_size: int = _f(16, "sequences per step (per worker)", _positive)
     seed: int = _f(0, "seed of the model init and the batch sampler", _non_negative)
@@ -125,14 +164,16 @@ class TrainConfig:
                            "the step on every worker", _choice("stop", "skip"))
 
 
-# optim.lr = 0 resolves to these: the better of {3e-3, 6e-3} for each strategy on micro (docs/results.md)
-DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 6e-3, "lordo-local": 6e-3, "lordo-global-noqh": 6e-3,
+# The strategies by name, with the learning rate optim.lr = 0 resolves to: the better of {3e-3, 6e-3} for each
+# on micro (docs/results.md). strategies.build has a builder for each name.
+DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 6e-3, "lordo-global-noqh": 6e-3, "lordo-local": 6e-3,
               "lowrank-ddp": 6e-3}
-STRATEGY_NAMES = ("ddp", "local-adam", "lordo", "lordo-global-noqh", "lordo-local", "lowrank-ddp")
+STRATEGY_NAMES = tuple(DEFAULT_LR)
 
 
 @dataclass(kw_only=True)
-class StrategyConfig:
+class StrategyConfig(_Section):
+    _name = "strategy"
     name: str = _f("ddp", "what happens after backward: ddp (AdamW on the averaged gradient every step), "
                    "local-adam (K local AdamW steps, then average; DiLoCo / DES-LOC), lordo (global low-rank basis + "
                    "full-rank QH term), lordo-global-noqh (omega = 1), lordo-local (per-worker bases), "
@@ -173,9 +214,16 @@ class StrategyConfig:
     lowrank_pattern: str = _f("auto", "which 2-D parameters are trained low-rank: auto (the block matrices: attention "
                               "and MLP weights; not embeddings or output heads) or a regular expression on names")
 
+    def _check(self) -> None:
+        try:
+            re.compile(self.lowrank_pattern)
+        except re.error as exc:
+            raise ConfigError(f"strategy.lowrank_pattern is not a valid regular expression: {exc}") from None
+
 
 @dataclass(kw_only=True)
-class DistConfig:
+class DistConfig(_Section):
+    _name = "dist"
     workers: int = _f(1, "M: data-parallel workers (simulated, or processes started by lordo/torchrun)", _positive)
     backend: str = _f("auto", "sim = M workers in this process; gloo/nccl = torch.distributed; auto = torch.distributed "
                       "under torchrun (gloo on CPU, nccl on CUDA), else sim", _choice("auto", "sim", "gloo", "nccl"))
@@ -183,7 +231,8 @@ class DistConfig:
 
 
 @dataclass(kw_only=True)
-class CommConfig:
+class CommConfig(_Section):
+    _name = "comm"
     latency_s: float = _f(1e-4, "per-collective latency of the modelled network", _non_negative)
     bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) at which the wall-clock is modelled")
 
@@ -202,11 +251,32 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
     comm: CommConfig = field(default_factory=CommConfig)
 
+    def __post_init__(self) -> None:
+        for section, cls in _section_types().items():
+            if not isinstance(getattr(self, section), cls):
+                raise ConfigError(f"Config.{section} must be a {cls.__name__}, got {type(getattr(self, section)).__name__}")
+        if self.strategy.compress != "none" and self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(
+                f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
+                f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
+            )
+        if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
+            raise ConfigError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
+                f"({self.train.steps})"
+            )
+        if self.optim.lr == 0:  # the strategy's default
+            self.optim.lr = DEFAULT_LR[self.strategy.name]
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+SECTIONS: dict[str, type] = _section_types()
 
 # Shape presets. vocab_size comes from the tokenizer, so parameter counts below are for vocab 4096.
 PRESETS: dict[str, dict[str, int]] = {
@@ -347,68 +417,28 @@ def build_config(
         raise ConfigError(f"model.preset must be one of {', '.join(map(repr, PRESETS))}, got {preset!r}")
     given["model"] = {**PRESETS[preset], **model}
 
-    sections = {}
-    for section, cls in SECTIONS.items():
-        types = _field_types(cls)
-        values = {n: _coerce(section, n, types[n], v) for n, v in given.get(section, {}).items()}
-        sections[section] = cls(**values)
-    cfg = Config(**sections)
-    validate(cfg)
-    if cfg.optim.lr == 0:
-        cfg.optim.lr = DEFAULT_LR[cfg.strategy.name]
-    return cfg
+    sections = {section: cls(**given.get(section, {})) for section, cls in SECTIONS.items()}
+    return Config(**sections)
 
 
 def validate(cfg: Config) -> None:
-    """Check every field against its allowed range, then the cross-field rules."""
+    """Check every field of every section again, then the rules across sections (after changing a built
+    config's fields by hand; construction already checks)."""
     for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for f in fields(obj):
-            check = f.metadata.get("check")
-            if check is not None:
-                problem = check(getattr(obj, f.name))
-                if problem:
-                    raise ConfigError(f"{section}.{f.name} {problem}, got {getattr(obj, f.name)!r}")
-    m = cfg.model
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"model.d_model / model.n_heads must be even for RoPE, got {m.d_model // m.n_heads}")
-    if not 256 < cfg.data.vocab_size <= 65535:
-        raise ConfigError(
-            f"data.vocab_size must be in (256, 65535] (byte alphabet plus merges, uint16 storage), "
-            f"got {cfg.data.vocab_size}"
-        )
-    if not 0 < cfg.data.val_fraction < 0.5:
-        raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {cfg.data.val_fraction}")
-    import re
-
-    try:
-        re.compile(cfg.strategy.lowrank_pattern)
-    except re.error as exc:
-        raise ConfigError(f"strategy.lowrank_pattern is not a valid regular expression: {exc}") from None
-    if cfg.strategy.compress != "none" and cfg.strategy.name in ("ddp", "lowrank-ddp"):
-        raise ConfigError(
-            f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
-            f"lordo-local; strategy {cfg.strategy.name!r} has none (set strategy.compress = \"none\")"
-        )
-    if cfg.schedule.warmup_steps >= cfg.train.steps and cfg.schedule.warmup_steps > 0:
-        raise ConfigError(
-            f"schedule.warmup_steps ({cfg.schedule.warmup_steps}) must be smaller than train.steps "
-            f"({cfg.train.steps})"
-        )
+        getattr(cfg, section).__post_init__()
+    cfg.__post_init__()
 
 
 def describe() -> str:
     """Every config key with its default and help, for ``lordo train --help`` and the docs."""
     lines = []
-    defaults = Config()
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
+        defaults = cls()  # the section alone: optim.lr shows 0 (the strategy's default), not what Config resolves
         for f in fields(cls):
             check = f.metadata.get("check")
             choices = getattr(check, "choices", None)
             extra = f" (one of: {', '.join(choices)})" if choices else ""
-            default = json.dumps(getattr(getattr(defaults, section), f.name))
+            default = json.dumps(getattr(defaults, f.name))
             lines.append(f"  {section}.{f.name} = {default}  -- {f.metadata['help']}{extra}")
     return "\n".join(lines)

@@ -20,7 +20,8 @@ def lowrank_qh_adam_update(
     exp_avg_sq: torch.Tensor,
     basis: torch.Tensor,
     side: str,
-    step: int,
+    step: torch.Tensor,
+    *,
     lr: float,
     beta1: float,
     beta2: float,
@@ -29,7 +30,8 @@ def lowrank_qh_adam_update(
     omega: float,
     qh_lowrank: torch.Tensor | None = None,
 ) -> None:
-    """One step from the low-rank gradient ``g`` (already projected):
+    """One step from the low-rank gradient ``g`` (already projected); ``step`` (a 0-d tensor, the steps taken
+    so far) is incremented first, as in torch's kernels, and t is its new value:
 
         u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
         û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
@@ -41,8 +43,8 @@ def lowrank_qh_adam_update(
     ``qh_grad`` is None. ``qh_lowrank`` (shaped like ``g``) lets a caller pass G + E as a running sum S and
     its low-rank part, A = S − back(c), without forming A: the back-projection joins the GEMM of the
     low-rank update."""
-    lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step],
-                                lr, beta1, beta2, eps, weight_decay, omega,
+    lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step], lr=lr,
+                                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, omega=omega,
                                 qh_lowranks=None if qh_lowrank is None else [qh_lowrank])
 
 
@@ -55,7 +57,8 @@ def lowrank_qh_adam_update_many(
     exp_avg_sqs: list[torch.Tensor],
     bases: list[torch.Tensor],
     sides: list[str],
-    steps: list[int],
+    state_steps: list[torch.Tensor],
+    *,
     lr: float,
     beta1: float,
     beta2: float,
@@ -68,6 +71,8 @@ def lowrank_qh_adam_update_many(
     as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass."""
     if not params:
         return
+    torch._foreach_add_(state_steps, 1)
+    steps = [int(t) for t in torch.stack(state_steps).tolist()]  # one host read for all the bias corrections
     torch._foreach_mul_(exp_avgs, beta1)
     torch._foreach_add_(exp_avgs, gs, alpha=1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -114,7 +119,8 @@ def qh_adam_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    step: int,
+    step: torch.Tensor,
+    *,
     lr: float,
     beta1: float,
     beta2: float,
@@ -122,12 +128,13 @@ def qh_adam_update(
     weight_decay: float,
     omega: float,
 ) -> None:
-    """Full-rank QHAdam with decoupled weight decay: U = ((1−ω)·G + ω·û)/D, D = sqrt(v̂) + ε.
-
-    ω = 1 is AdamW exactly."""
+    """Full-rank QHAdam with decoupled weight decay: U = ((1−ω)·G + ω·û)/D, D = sqrt(v̂) + ε; ``step`` (0-d)
+    is incremented first. ω = 1 is AdamW exactly."""
+    step += 1
+    t = int(step)
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    bc1, bc2 = 1 - beta1**t, 1 - beta2**t
     denom = (exp_avg_sq / bc2).sqrt_().add_(eps)
     if weight_decay:
         param.mul_(1 - lr * weight_decay)
@@ -144,7 +151,8 @@ def qh_adam_update_many(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
+    state_steps: list[torch.Tensor],
+    *,
     lr: float,
     beta1: float,
     beta2: float,
@@ -152,7 +160,7 @@ def qh_adam_update_many(
     weight_decay: float,
     omega: float,
 ) -> None:
-    """:func:`qh_adam_update` on several tensors at once; increments ``steps`` (0-d tensors) itself.
+    """:func:`qh_adam_update` on several tensors at once; increments ``state_steps`` (0-d tensors) itself.
 
     QHAdam is AdamW at learning rate η·ω (decay λ/ω, so that the decay factor stays 1 − ηλ) plus the term
     −η(1−ω)·G/D, D taken from the updated second moment. The AdamW part runs as torch's multi-tensor
@@ -165,20 +173,19 @@ def qh_adam_update_many(
         for p, g in zip(params, grads)
     )
     if omega == 0.0 or not supported:
-        for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
-            t += 1
-            qh_adam_update(p, g, m, v, int(t), lr, beta1, beta2, eps, weight_decay, omega)
+        for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
+            qh_adam_update(p, g, m, v, t, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, omega=omega)
         return
     fused = all(p.device.type == "cpu" for p in params)  # CUDA's fused kernel wants its steps on the device
     adamw_functional(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=not fused, fused=fused or None,
+        params, grads, exp_avgs, exp_avg_sqs, [], state_steps, foreach=not fused, fused=fused or None,
         amsgrad=False, beta1=beta1, beta2=beta2, lr=lr * omega, weight_decay=weight_decay / omega, eps=eps,
         maximize=False,
     )
     if omega == 1.0:
         return
     # G/D with D = sqrt(v/bc2) + ε equals sqrt(bc2)·G/(sqrt(v) + ε·sqrt(bc2)): no pass for the division by bc2
-    roots = [(1 - beta2 ** int(t)) ** 0.5 for t in steps]
+    roots = [(1 - beta2 ** int(t)) ** 0.5 for t in state_steps]
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denom, [eps * r for r in roots])
     torch._foreach_addcdiv_(params, grads, denom, [-lr * (1 - omega) * r for r in roots])

@@ -27,22 +27,30 @@ BASIS_METHODS = ("svd", "subspace")
 class LowRankQHAdam(torch.optim.Optimizer):
     """LoRDO's local optimizer for one process: low-rank QH-Adam with error feedback.
 
-    Parameter groups with an integer ``rank`` hold 2-D matrices whose moments live in a rank-r subspace
-    (the smaller side is compressed): each step projects G + E (E: error feedback of what earlier
-    projections dropped), updates the low-rank moments and applies
-    ``ω·back(û/D) + (1 − ω)·G/mean(D)``; the ``1 − ω`` full-rank term lets the weights, and so the next
-    basis, leave the subspace. Groups with ``rank=None`` take full-rank QHAdam with the same ω. A matrix's
-    basis comes from its first gradient unless set; :meth:`refresh_basis` / :meth:`set_basis` change it and
-    rotate the moments (LDAdam). ``omega=1`` is plain low-rank Adam; ``omega=1, rank=None`` is AdamW.
-    ``basis_method``: ``svd`` (exact) or ``subspace`` (warm-started subspace iteration).
-    ``qh_source``: ``grad`` (G, the paper's notation) or ``grad+error`` (A = G + E, the research code) in
-    the full-rank term. ``error_feedback_after_qh``: with ``grad+error`` the full-rank term applies E's part
-    (1 − ω)·E every step; ``keep`` leaves it in E as well (the research code: E sums every dropped gradient
-    while the basis stays and can grow without bound), ``remove`` takes it out (E ← ω·E after each step:
-    E holds only what no update has applied yet, and stays bounded). With ``grad`` the term applies none of
-    E and both are the same. ``basis_iterations``: subspace-iteration steps per basis refresh.
-    ``error_feedback_dtype``: dtype of the error-feedback buffers (default: the parameter's); bfloat16
-    halves them, while G + E is still formed in the parameter's precision each step.
+    For each matrix W (p×q) of a group with an integer ``rank`` r, with basis P of its smaller side (the
+    right side when p ≥ q: P is q×r, proj(A) = A·P, back(g) = g·Pᵀ; else P is p×r, proj(A) = Pᵀ·A,
+    back(g) = P·g), gradient G (clip it before ``step``) and error feedback E (zero at first)::
+
+        A = G + E                                  # A = G without error feedback
+        g = proj(A) ;  E ← A − back(g)             # what the projection drops is fed back next step
+        u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g² ;  t ← t + 1
+        û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
+        Q = G (qh_source "grad") or A (qh_source "grad+error")
+        W ← W·(1 − η·λ) − η·(ω·back(û/D) + (1−ω)·Q/mean(D))
+        E ← ω·E                                    # only with grad+error and error_feedback_after_qh "remove"
+
+    Groups with ``rank=None`` take full-rank QHAdam with the same ω: W ← W(1 − ηλ) − η((1−ω)·G + ω·û)/D.
+    ``omega=1`` is plain low-rank Adam (no full-rank term: the weights stay in the subspace between basis
+    changes); ``omega=1, rank=None`` is AdamW. A matrix's basis comes from its first gradient unless set;
+    :meth:`set_basis` / :meth:`refresh_basis` change it and rotate u, v into the new basis (LDAdam), E kept.
+
+    ``basis_method``: ``svd`` (exact) or ``subspace`` (``basis_iterations`` steps of subspace iteration
+    warm-started from the previous basis). ``qh_source = "grad+error"`` is the research code's full-rank
+    term; with it the term applies (1 − ω)·E of the error feedback every step, which ``keep`` leaves in E
+    too (E then sums every dropped gradient while a basis stays and can grow without bound) and ``remove``
+    takes out. ``error_feedback_dtype``: dtype of E (default: the parameter's); bfloat16 halves it, while
+    A is still formed in the parameter's precision. State is tensors and bool flags only, so ``state_dict()``
+    loads with ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups``.
     """
 
     def __init__(
@@ -185,15 +193,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
     # the step, in two halves so that a strategy can all-reduce the projected gradients in between
 
     @torch.no_grad()
-    def project_gradient(self, p: torch.Tensor) -> torch.Tensor:
-        """g = proj(G + E) for a low-rank matrix, updating its error feedback; creates the state (basis from
-        this gradient) on first use."""
-        return self.project_gradients([p])[0]
-
-    @torch.no_grad()
     def project_gradients(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """:meth:`project_gradient` of each low-rank matrix in ``params`` (the deferred error-feedback sums
-        are updated in one multi-tensor call)."""
+        """g = proj(G + E) of each low-rank matrix in ``params``, updating its error feedback (the deferred
+        sums in one multi-tensor call); creates a matrix's state (basis from its gradient) on first use."""
         for p in params:
             if "basis" not in self.state[p]:
                 group = self._group_of(p)
@@ -254,32 +256,22 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return error
 
     @torch.no_grad()
-    def apply_lowrank(self, p: torch.Tensor, g: torch.Tensor, qh_grad: torch.Tensor | None = None) -> None:
-        """Moment update and weight update of a low-rank matrix from its projected gradient ``g``.
-
-        ``qh_grad`` defaults to the group's source: G, or G+E (error feedback after this step's update
-        plus back(g))."""
-        self.apply_lowrank_many([p], [g], None if qh_grad is None else [qh_grad])
-
-    @torch.no_grad()
-    def apply_lowrank_many(self, params: list[torch.Tensor], gs: list[torch.Tensor],
-                           qh_grads: list[torch.Tensor] | None = None) -> None:
-        """:meth:`apply_lowrank` on several matrices, batched per parameter group (multi-tensor moment math).
-
-        With ``qh_source = "grad+error"`` the ``gs`` must be the projections of this step's own gradients
-        (what :meth:`project_gradients` returned), as A is rebuilt from them."""
+    def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
+        """Moment and weight updates of low-rank matrices from their projected gradients ``gs`` (batched per
+        parameter group: multi-tensor moment math). With ``qh_source = "grad+error"`` the ``gs`` must be the
+        projections of this step's own gradients (what :meth:`project_gradients` returned): A is rebuilt
+        from them."""
         for group, index in self._by_group(params):
             ps = [params[i] for i in index]
             gs_group = [gs[i] for i in index]
             states = [self.state[p] for p in ps]
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            qh, lows = self._qh_inputs(group, ps, states, gs_group, None if qh_grads is None else [qh_grads[i] for i in index])
+            qh, lows = self._qh_inputs(group, ps, states, gs_group)
             b1, b2 = group["betas"]
             lowrank_qh_adam_update_many(
                 ps, gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["basis"] for s in states], [side_of(p.shape) for p in ps], [int(t) for t in torch.stack(steps).tolist()],
-                group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"], qh_lowranks=lows,
+                [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
+                lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                omega=group["omega"], qh_lowranks=lows,
             )
             if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
                 # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
@@ -287,16 +279,15 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 if buffers:
                     torch._foreach_mul_(buffers, group["omega"])
 
-    def _qh_inputs(self, group: dict, ps: list[torch.Tensor], states: list[dict], gs: list[torch.Tensor],
-                   given: list[torch.Tensor] | None) -> tuple[list, list | None]:
+    def _qh_inputs(self, group: dict, ps: list[torch.Tensor], states: list[dict],
+                   gs: list[torch.Tensor]) -> tuple[list, list | None]:
         """The full-rank term's input per matrix as (full-size part, low-rank part): A = full − back(low)."""
-        if given is not None:
-            return list(given), None
         if group["omega"] == 1:
             return [None] * len(ps), None
         if group["qh_source"] == "grad":
             return [p.grad for p in ps], None
-        full, lows = [], []
+        full: list[torch.Tensor | None] = []
+        lows: list[torch.Tensor | None] = []
         for p, state, g in zip(ps, states, gs):
             error = state.get("error_feedback")
             if error is None:  # error feedback off: A = G
@@ -311,11 +302,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return full, lows
 
     @torch.no_grad()
-    def apply_full_rank(self, p: torch.Tensor) -> None:
-        self.apply_full_rank_many([p])
-
-    @torch.no_grad()
-    def apply_full_rank_many(self, params: list[torch.Tensor]) -> None:
+    def apply_full_rank(self, params: list[torch.Tensor]) -> None:
         """Full-rank QHAdam on ``params``, one multi-tensor call per parameter group."""
         for group, index in self._by_group(params):
             ps = [params[i] for i in index]
@@ -328,7 +315,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
             b1, b2 = group["betas"]
             qh_adam_update_many(
                 ps, [grad_of(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], group["lr"], b1, b2, group["eps"], group["weight_decay"], group["omega"],
+                [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                weight_decay=group["weight_decay"], omega=group["omega"],
             )
 
     @torch.no_grad()
@@ -340,9 +328,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             with_grad = [p for p in group["params"] if p.grad is not None]
             if group["rank"] is None:
-                self.apply_full_rank_many(with_grad)
+                self.apply_full_rank(with_grad)
                 continue
-            self.apply_lowrank_many(with_grad, self.project_gradients(with_grad))
+            self.apply_lowrank(with_grad, self.project_gradients(with_grad))
         return loss
 
     # ---------------------------------------------------------------------------------------------------

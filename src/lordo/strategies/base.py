@@ -1,22 +1,24 @@
 """The strategy interface: everything that happens after ``loss.backward()``.
 
-A strategy owns the optimizer state and all communication. It serves the workers this process hosts
-(all M on the simulator, one under torch.distributed) and talks to the others only through the
-communicator, so the same code runs on both. The training loop computes gradients and calls ``step``;
-it never touches an optimizer directly.
+A strategy drives the workers this process hosts (all M on the simulator, one under torch.distributed):
+their inner optimizers, which it is given, and all communication, which goes through the communicator, so
+the same code runs on both. The training loop computes gradients and calls ``step``; it never touches an
+optimizer directly. Strategies take their settings as keyword arguments and check them; only
+``strategies.build`` reads a run's ``Config``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..config import Config
-from ..model.params import ParamGroup
+from ..errors import ConfigError
 
 
 def tensor_bytes(tensors) -> int:
@@ -31,52 +33,93 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float) -> float:
     return float(torch.nn.utils.get_total_norm([p.grad for p in with_grad if p.grad is not None], foreach=True))
 
 
-def make_adamw(groups: list[ParamGroup], cfg) -> torch.optim.AdamW:
-    """AdamW over parameter groups; weight decay only where the group's rule asks for it."""
-    param_groups = [
-        {"params": g.params, "weight_decay": cfg.weight_decay if g.rule.weight_decay else 0.0, "name": g.rule.group}
-        for g in groups
-    ]
-    params = [p for g in groups for p in g.params]
-    # torch's fused kernel (one pass over all tensors) where it exists: on CPU it is ~5x faster than foreach
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-                for p in params)
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=fused or None, foreach=None if fused else True)
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in group order: the order of a worker's anchor, pseudo-gradients, payloads."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@dataclass
+class Worker:
+    """One model replica this process hosts, and what belongs to it alone."""
+
+    rank: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer  # the inner (local) optimizer
+    params: list[torch.Tensor]  # the trained parameters, in the optimizer's order
+    residuals: list[torch.Tensor] = field(default_factory=list)  # what compressing its pseudo-gradients lost
+
+
+def check_workers(models: Sequence[nn.Module], comm: Communicator,
+                  optimizers: Sequence[torch.optim.Optimizer]) -> list[Worker]:
+    """One :class:`Worker` per hosted replica; every trainable parameter must be in its optimizer (a
+    parameter left out would drift apart on each worker and never be synchronised)."""
+    if len(models) != len(comm.local_ranks):
+        raise ConfigError(f"{len(models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)")
+    if len(optimizers) != len(models):
+        raise ConfigError(f"optimizers: one per model replica, got {len(optimizers)} for {len(models)}")
+    workers = []
+    for rank, model, opt in zip(comm.local_ranks, models, optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
+        params = optimizer_params(opt)
+        held = {id(p) for p in params}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+        if missing:
+            raise ConfigError(f"the optimizer of worker {rank} does not hold the trainable parameter(s) {', '.join(missing)}")
+        mine = {id(p) for p in model.parameters()}
+        if not held <= mine:
+            raise ConfigError(f"the optimizer of worker {rank} holds parameters of another model")
+        workers.append(Worker(rank, model, opt, params))
+    return workers
+
+
+def check_number(name: str, value: Any, *, minimum: float = 0.0, below: float | None = None, integer: bool = False) -> None:
+    """A keyword argument's range check, with the error a config file would give."""
+    kind_ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not kind_ok or not value >= minimum or (below is not None and not value < below):
+        upper = f" and < {below}" if below is not None else ""
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'} >= {minimum:g}{upper}, got {value!r}")
 
 
 class Strategy(ABC):
-    """After-backward logic for the model replicas (one per hosted worker) of this process."""
+    """After-backward logic for the workers (model replicas) this process hosts."""
 
     name: str = ""
 
-    def __init__(self, models: list[nn.Module], groups: list[list[ParamGroup]], cfg: Config, comm: Communicator) -> None:
-        if len(models) != len(comm.local_ranks):
-            raise ValueError(f"{len(models)} model replicas for {len(comm.local_ranks)} hosted workers")
-        self.models, self.groups, self.cfg, self.comm = models, groups, cfg, comm
-        self.params: list[list[torch.Tensor]] = [[p for g in worker_groups for p in g.params] for worker_groups in groups]
+    def __init__(self, models: Sequence[nn.Module], comm: Communicator, *,
+                 optimizers: Sequence[torch.optim.Optimizer], grad_clip: float = 0.5) -> None:
+        check_number("grad_clip", grad_clip)
+        self.comm, self.grad_clip = comm, float(grad_clip)
+        self.workers = check_workers(models, comm, optimizers)
         self.steps_done = 0
-        self.optimizers: list[torch.optim.Optimizer] = []  # one per hosted worker, set by the subclass
+
+    @property
+    def models(self) -> list[nn.Module]:
+        return [w.model for w in self.workers]
 
     def grads(self) -> list[list[torch.Tensor]]:
         out = []
-        for params in self.params:
-            missing = [i for i, p in enumerate(params) if p.grad is None]
+        for w in self.workers:
+            missing = [i for i, p in enumerate(w.params) if p.grad is None]
             if missing:
                 raise RuntimeError(f"{len(missing)} parameters have no gradient: call loss.backward() before step()")
-            out.append([p.grad for p in params if p.grad is not None])
+            out.append([p.grad for p in w.params if p.grad is not None])
         return out
+
+    def clip(self) -> list[float]:
+        """Clip each hosted worker's gradient to ``grad_clip``; returns the norms before clipping."""
+        return [clip_gradients(w.params, self.grad_clip) for w in self.workers]
 
     def clip_and_step(self, lr: float) -> list[float]:
         """Clip each hosted worker's gradient, take one step of its optimizer at ``lr``, clear the gradients.
 
         Returns the gradient norms before clipping."""
-        norms = [clip_gradients(params, self.cfg.optim.grad_clip) for params in self.params]
-        for opt in self.optimizers:
-            for group in opt.param_groups:
+        norms = self.clip()
+        for w in self.workers:
+            for group in w.optimizer.param_groups:
                 group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            w.optimizer.step()
+            w.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         return norms
 
@@ -105,19 +148,19 @@ class Strategy(ABC):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: tensors, numbers and strings only."""
-        return {"shared": self.shared_state(), "workers": [{"optimizer": opt.state_dict()} for opt in self.optimizers]}
+        return {"shared": self.shared_state(), "workers": [{"optimizer": w.optimizer.state_dict()} for w in self.workers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_shared_state(state["shared"])
-        if len(state["workers"]) != len(self.optimizers):
-            raise ValueError(f"state holds {len(state['workers'])} workers, this process hosts {len(self.optimizers)}")
-        for opt, worker in zip(self.optimizers, state["workers"]):
-            opt.load_state_dict(worker["optimizer"])
+        if len(state["workers"]) != len(self.workers):
+            raise ValueError(f"state holds {len(state['workers'])} workers, this process hosts {len(self.workers)}")
+        for w, saved in zip(self.workers, state["workers"]):
+            w.optimizer.load_state_dict(saved["optimizer"])
 
     @abstractmethod
     def state_bytes(self) -> dict[str, int]:
         """Bytes of optimizer state one worker holds, by category."""
 
-    @abstractmethod
     def step_payload_bytes(self) -> int:
         """Bytes one worker would all-reduce per step under ``ddp`` (the full gradient): the reference."""
+        return tensor_bytes(self.workers[0].params)

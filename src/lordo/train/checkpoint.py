@@ -30,7 +30,8 @@ import torch
 
 from ..errors import LordoError
 
-FORMAT = 1
+FORMAT = 2  # 2: the outer optimizer's state_dict replaces the outer momentum list (1 still loads)
+READABLE_FORMATS = (1, 2)
 
 
 class CheckpointError(LordoError):
@@ -184,7 +185,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {folder} has no meta.json") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"checkpoint {folder}/meta.json is corrupt ({exc})") from None
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"checkpoint {folder} was written in another format ({meta.get('format')!r})")
         return meta
 
@@ -217,6 +218,7 @@ RESUMABLE_CHANGES = {
     ("train", "steps"),
     ("train", "eval_every"),
     ("train", "eval_batches"),
+    ("train", "eval_model"),
     ("train", "log_every"),
     ("train", "log"),
     ("train", "device"),
@@ -233,14 +235,23 @@ RESUMABLE_CHANGES = {
 }
 
 
+# fields added after checkpoints were first written, with the value that behaves as lordo did before them
+ADDED_FIELDS = {
+    ("strategy", "error_feedback_after_qh"): "keep",
+    ("strategy", "basis_iterations"): 1,
+    ("train", "eval_model"): "worker0",
+}
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """Fields (section.key: saved → current) that differ and may not change on resume."""
+    """Fields (section.key: saved → current) that differ and may not change on resume. A field the saved
+    config lacks because it was added later counts as the value that behaves as before (``ADDED_FIELDS``)."""
     out = []
     for section, body in current.items():
         if section == "derived" or not isinstance(body, dict):
             continue
         for key, value in body.items():
-            old = saved.get(section, {}).get(key, "<missing>")
+            old = saved.get(section, {}).get(key, ADDED_FIELDS.get((section, key), "<missing>"))
             if old != value and (section, key) not in RESUMABLE_CHANGES:
                 out.append(f"{section}.{key}: {old!r} in the checkpoint, {value!r} now")
     return out

@@ -1,16 +1,22 @@
-"""The training loop: sample → forward → backward → ``DistributedOptimizer.step`` → log → evaluate."""
+"""The training loop: sample → forward → backward → ``DistributedOptimizer.step`` → log → evaluate.
+
+:class:`Trainer` holds one run: its models (one per worker this process hosts), the distributed optimizer,
+the samplers and a :class:`RunState` (what a checkpoint restores besides models and optimizer). Every
+process runs the same sequence of collectives: the optimizer's, the agreement on stop and non-finite flags,
+the evaluation's average and the checkpoint barriers; only the main process writes files.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
-import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,7 +30,9 @@ from ..data.sampler import BatchSampler, eval_batches
 from ..errors import ConfigError, NonFiniteError, Stopped
 from ..model import GPT, GPTConfig, format_groups
 from .checkpoint import Checkpointer, config_differences
+from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
+from .summary import summarize
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,17 +45,9 @@ def resolve_device(name: str) -> torch.device:
 
 def build_model(cfg: Config, vocab_size: int) -> GPT:
     m = cfg.model
-    gpt_cfg = GPTConfig(
-        vocab_size=vocab_size,
-        d_model=m.d_model,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        seq_len=m.seq_len,
-        ffn_hidden=m.ffn_hidden,
-        rope_theta=m.rope_theta,
-        norm_eps=m.norm_eps,
-        init_std=m.init_std,
-    )
+    gpt_cfg = GPTConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                        seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                        init_std=m.init_std)
     torch.manual_seed(cfg.train.seed)
     return GPT(gpt_cfg)
 
@@ -65,52 +65,6 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
     return total / len(batches)
 
 
-class Progress:
-    """A self-updating line on a terminal; plain periodic lines otherwise (logs, CI, pipes)."""
-
-    def __init__(self, total: int, stream: TextIO, every: int) -> None:
-        self.total, self.stream, self.every = total, stream, every
-        self.tty = stream.isatty()
-
-    def update(self, step: int, text: str, force: bool = False) -> None:
-        line = f"step {step:>{len(str(self.total))}}/{self.total}  {text}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line)
-            if step == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
-        elif force or step % self.every == 0 or step == self.total:
-            print(line, file=self.stream, flush=True)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def _tensorboard(out: Path, start: int):
-    """A TensorBoard writer into OUT/tensorboard; on resume, events after the checkpoint's step are dropped."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ModuleNotFoundError:
-        raise ConfigError("train.log = tensorboard needs the tensorboard package: pip install 'lordo[tb]'") from None
-    return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
-
-
-def _noop(_: str) -> None:
-    pass
-
-
-def _model_to_score(optimizer: DistributedOptimizer, model: torch.nn.Module, spare: torch.nn.Module | None):
-    """The model an evaluation scores and its label for metrics.jsonl: ``synced`` (every worker holds it),
-    ``average`` (the workers' mean, loaded into ``spare``; a collective on every process) or ``worker0``."""
-    if optimizer.in_sync:
-        return model, "synced"
-    if spare is None:
-        return model, "worker0"
-    optimizer.average_into(spare)
-    return spare, "average"
-
-
 def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, stream: TextIO | None = None) -> dict:
     """Run one training job described by ``cfg``; the main process writes config.json, metrics.jsonl and
     summary.json to ``out_dir`` and returns the summary (other processes return it too, without files)."""
@@ -120,7 +74,7 @@ def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, 
     device = resolve_device(t.device)
     comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type)
     try:
-        return _train(cfg, Path(out_dir), comm, device, log, stream if stream is not None else sys.stderr)
+        return Trainer(cfg, Path(out_dir), comm, device, log, stream if stream is not None else sys.stderr).run()
     finally:
         comm.close()
 
@@ -148,260 +102,247 @@ class _SignalFlag:
             signal.signal(sig, handler)
 
 
-def _rewrite_metrics(path: Path, upto: int) -> None:
-    """Keep the rows of steps <= ``upto`` (those written after the checkpoint are redone on resume)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
+@dataclass
+class RunState:
+    """What a checkpoint restores besides the models, samplers and optimizer."""
+
+    step: int = 0  # optimizer steps done
+    train_s: float = 0.0  # seconds spent in training steps (not in evaluations or checkpoints)
+    skipped: int = 0  # steps skipped for a non-finite loss
+    val_loss: float = float("nan")  # the latest evaluation
+    loss_sum: float = 0.0  # the train_loss of the next metrics row averages over this window
+    loss_n: int = 0
+    diagnostics: dict[str, list[float]] = field(default_factory=dict)  # per-sync values for summary.json
+
+    @classmethod
+    def from_checkpoint(cls, step: int, shared: dict[str, Any]) -> RunState:
+        window = shared["loss_window"]
+        return cls(step=step, train_s=float(shared["train_s"]), skipped=int(shared["skipped"]),
+                   val_loss=float(shared["val_loss"]), loss_sum=float(window[0]), loss_n=int(window[1]),
+                   diagnostics={k: list(v) for k, v in shared["diagnostics"].items()})
+
+    def to_checkpoint(self) -> dict[str, Any]:
+        return {"train_s": self.train_s, "skipped": self.skipped, "diagnostics": self.diagnostics,
+                "val_loss": self.val_loss, "loss_window": [self.loss_sum, self.loss_n]}
+
+
+DIAGNOSTICS = ("basis_overlap", "residual_energy", "error_feedback_norm")  # averaged into summary.json
+
+
+class Trainer:
+    """One training run in this process (see the module docstring)."""
+
+    def __init__(self, cfg: Config, out: Path, comm, device: torch.device, log, stream: TextIO) -> None:
+        t = cfg.train
+        if comm.world_size != cfg.dist.workers and cfg.dist.workers != 1:
+            raise ConfigError(
+                f"dist.workers is {cfg.dist.workers} but the launcher started {comm.world_size} processes; "
+                "set dist.workers to the launcher's world size (or leave it at 1 under torchrun)"
+            )
+        self.cfg, self.out, self.comm, self.device, self.stream = cfg, out, comm, device, stream
+        self.main = comm.is_main
+        self.log = log if self.main else (lambda _: None)
+        if self.main:
+            out.mkdir(parents=True, exist_ok=True)
+        self.data = self._load_data()
+        self.models = [build_model(cfg, self.data.vocab_size).to(device) for _ in comm.local_ranks]
+        # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
+        self.optimizer = DistributedOptimizer(self.models, cfg, comm)
+        self.forwards = [torch.compile(m) if t.compile else m for m in self.models]
+        self.samplers = [BatchSampler(self.data.train, cfg.model.seq_len, t.batch_size, t.seed, r, comm.world_size)
+                         for r in comm.local_ranks]
+        self.val = eval_batches(self.data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
+        # between synchronisations the workers' models differ: evaluations score their average, in a spare
+        self.spare = copy.deepcopy(self.models[0]) if t.eval_model == "average" and comm.world_size > 1 else None
+        self.tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
+        self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
+        self.config_dict = cfg.to_dict()
+        self.state = RunState()
+        self.window = torch.zeros((), device=device)  # this log window's summed loss, read at the log interval
+
+    def _load_data(self):
+        # one process per machine prepares the corpus if needed; the others wait, then open the same files
+        d = self.cfg.data
+        data = data_prep.ensure(d.dir, d.vocab_size, d.val_fraction, log=self.log) if self.comm.is_node_main else None
+        self.comm.barrier()
+        return data if data is not None else data_prep.load(data_prep.prepared_dir(d.dir, d.vocab_size, d.val_fraction))
+
+    # ------------------------------------------------------------------------------------------------ the run
+
+    def run(self) -> dict:
+        m, cfg = self.models[0], self.cfg
+        self.log(f"model: {cfg.model.preset}, {m.num_params():,} parameters, vocab {self.data.vocab_size}, device "
+                 f"{self.device}; strategy {cfg.strategy.name}, {self.comm.world_size} worker(s) on {type(self.comm).__name__}")
+        self.log(format_groups(self.optimizer.groups[0]))
+        if self.checkpoints.has_checkpoint():
+            self.resume()
+        if self.main:
+            self._write_config()
+        metrics = MetricsWriter(self.out, self.main, self.state.step, cfg.train.log == "tensorboard")
+        wall0, start = time.perf_counter(), self.state.step
         try:
-            if json.loads(line)["step"] <= upto:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break  # a row cut short by the crash, and everything after it
-    path.write_text("".join(k + "\n" for k in kept))
+            self._loop(metrics)
+        finally:
+            metrics.close()
+        return summarize(self, time.perf_counter() - wall0, start)
 
+    def _loop(self, metrics: MetricsWriter) -> None:
+        t, start = self.cfg.train, self.state.step
+        progress = Progress(t.steps, self.stream, every=max(t.log_every, t.steps // 20))
+        if start == 0:
+            metrics.write({"step": 0, "tokens": 0, **self.evaluation(), "comm_bytes": 0})
+        train_s_at_start = self.state.train_s
+        with _SignalFlag() as stop:
+            for step in range(start + 1, t.steps + 1):
+                stats, lr, stop_requested = self.train_step(step, stop.signum is not None)
+                row = self.metrics_row(step, lr, stats)
+                evaluated = step % t.eval_every == 0 or step == t.steps
+                if evaluated:  # a collective on every process when the workers' average is scored
+                    row.update({"step": step, "tokens": step * self.tokens_per_step, **self.evaluation()})
+                if row:
+                    row["comm_bytes"] = self.comm.ledger.total_bytes
+                    metrics.write(row)
+                if row and self.main:
+                    tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
+                    progress.update(step, self._progress_text(row, lr, tps), force=evaluated)
+                self._checkpoint_if_due(step, stop_requested, stop.signum)
+        if start >= t.steps and self.main:  # resumed a finished run: evaluate the final model again
+            self.state.val_loss = evaluate(self.models[0], self.val, self.device)
 
-def _train(cfg: Config, out: Path, comm, device: torch.device, log, stream) -> dict:
-    t, d = cfg.train, cfg.dist
-    if comm.world_size != d.workers and d.workers != 1:
-        raise ConfigError(
-            f"dist.workers is {d.workers} but the launcher started {comm.world_size} processes; "
-            "set dist.workers to the launcher's world size (or leave it at 1 under torchrun)"
-        )
-    main = comm.is_main
-    log = log if main else _noop
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
+    # ----------------------------------------------------------------------------------------------- a step
 
-    # one process per machine prepares the corpus if needed; the others wait, then open the same files
-    if comm.is_node_main:
-        data = data_prep.ensure(cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction, log=log)
-    comm.barrier()
-    if not comm.is_node_main:
-        data = data_prep.load(data_prep.prepared_dir(cfg.data.dir, cfg.data.vocab_size, cfg.data.val_fraction))
+    def train_step(self, step: int, stop_signalled: bool) -> tuple[dict[str, float], float, bool]:
+        """Forward, backward and the optimizer step on every hosted worker; returns (diagnostics, lr, whether
+        any process asked to stop)."""
+        t0 = time.perf_counter()
+        lr = self.cfg.optim.lr * lr_factor(step - 1, self.cfg.train.steps, self.cfg.schedule)
+        losses = torch.stack([self._forward_backward(forward, sampler) for forward, sampler in zip(self.forwards, self.samplers)])
+        # one host read per step for every hosted worker; every process must take the same branch
+        nonfinite, stop_requested = self.comm.agree([not bool(torch.isfinite(losses).all()), stop_signalled])
+        if nonfinite:
+            stats = self._skip(step, losses)
+        else:
+            try:
+                stats = self.optimizer.step(lr)
+                if step == self.cfg.train.steps:
+                    stats.update(self.optimizer.finish())
+            except NonFiniteError as exc:
+                raise NonFiniteError(f"{exc}; last good checkpoint: {self._last_good()}") from None
+            self.window += losses.mean()
+            self.state.loss_n += 1
+        self.state.train_s += time.perf_counter() - t0
+        self.state.step = step
+        return stats, lr, stop_requested
 
-    models = [build_model(cfg, data.vocab_size).to(device) for _ in comm.local_ranks]
-    # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
-    optimizer = DistributedOptimizer(models, cfg, comm)
-    log(
-        f"model: {cfg.model.preset}, {models[0].num_params():,} parameters, vocab {data.vocab_size}, device {device}; "
-        f"strategy {cfg.strategy.name}, {comm.world_size} worker(s) on {type(comm).__name__}"
-    )
-    log(format_groups(optimizer.groups[0]))
-    forwards = [torch.compile(m) if t.compile else m for m in models]
-    # between synchronisations the workers' models differ: evaluate their average in a spare replica
-    spare = copy.deepcopy(models[0]) if t.eval_model == "average" and comm.world_size > 1 else None
-    samplers = [BatchSampler(data.train, cfg.model.seq_len, t.batch_size, t.seed, r, comm.world_size) for r in comm.local_ranks]
-    val = eval_batches(data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
-    tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
+    def _forward_backward(self, forward, sampler) -> torch.Tensor:
+        x, y = sampler.next()
+        _, loss = forward(x.to(self.device), y.to(self.device))
+        loss.backward()  # a non-finite loss gives non-finite gradients: the step is then skipped or stopped
+        return loss.detach()
 
-    config_dict = cfg.to_dict()
-    checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
-    start, train_s, skipped = 0, 0.0, 0
-    resumed_window = (0.0, 0)
-    diagnostics: dict[str, list[float]] = {}
-    val_loss = float("nan")
-    def check_compatible(meta: dict) -> None:
-        problems = config_differences(meta["config"], config_dict)
-        if meta["world_size"] != comm.world_size:
-            problems.append(f"workers: {meta['world_size']} in the checkpoint, {comm.world_size} now")
+    def _skip(self, step: int, losses: torch.Tensor) -> dict[str, float]:
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"the loss is not finite at step {step} (worker losses {losses.tolist()}); last good checkpoint: "
+                f"{self._last_good()}. Lower optim.lr, or set train.on_nonfinite=skip to skip such steps"
+            )
+        for m in self.models:  # skip the step on every worker, keep the data position moving
+            m.zero_grad(set_to_none=True)
+        self.state.skipped += 1
+        self.log(f"step {step}: non-finite loss, step skipped on every worker ({self.state.skipped} so far)")
+        return {"skipped_nonfinite": 1.0}
+
+    # ------------------------------------------------------------------------------------ metrics, evaluation
+
+    def metrics_row(self, step: int, lr: float, stats: dict[str, float]) -> dict[str, Any]:
+        """The row to log at this step (empty between log intervals and syncs); closes the loss window."""
+        for key in DIAGNOSTICS:
+            if key in stats:
+                self.state.diagnostics.setdefault(key, []).append(stats[key])
+        t = self.cfg.train
+        if not (step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats):
+            return {}
+        s = self.state
+        s.loss_sum += float(self.window)  # the only read of the training loss
+        row = {"step": step, "tokens": step * self.tokens_per_step, "lr": lr,
+               "train_loss": s.loss_sum / s.loss_n if s.loss_n else float("nan"), **stats}
+        s.loss_sum, s.loss_n = 0.0, 0
+        self.window.zero_()
+        return row
+
+    def evaluation(self) -> dict[str, Any]:
+        """Validation loss of the model every worker holds, or of the workers' average between
+        synchronisations (``train.eval_model``); row fields, with ``eval_model`` saying which was scored."""
+        if self.optimizer.in_sync:
+            model, which = self.models[0], "synced"
+        elif self.spare is None:
+            model, which = self.models[0], "worker0"
+        else:
+            self.optimizer.average_into(self.spare)  # a collective: every process, every evaluation
+            model, which = self.spare, "average"
+        if not self.main:
+            return {}
+        self.state.val_loss = evaluate(model, self.val, self.device)
+        return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
+
+    def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
+        text = f"loss {row.get('train_loss', float('nan')):.3f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"
+        return text + (f"  val_ppl {row['val_ppl']:.1f}" if "val_ppl" in row else "")
+
+    # ---------------------------------------------------------------------------------- checkpoints, resume
+
+    def _checkpoint_if_due(self, step: int, stop_requested: bool, signum: int | None) -> None:
+        t = self.cfg.train
+        if not ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stop_requested):
+            return
+        saved = self.save_checkpoint(step)
+        if stop_requested and step < t.steps:
+            name = signal.Signals(signum).name if signum else "a signal on another worker"
+            raise Stopped(f"stopped by {name} after step {step}; checkpoint saved to {saved}. "
+                          f"Continue with: lordo train --resume {self.out}", 128 + (signum or signal.SIGTERM))
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Collective: every process writes its workers' files; the main one the shared state."""
+        state = self.optimizer.state_dict()
+        self.state.loss_sum += float(self.window)  # the open loss window travels as plain numbers
+        self.window.zero_()
+        shared = {"strategy": state["shared"], "ledger": state["ledger"], "rng": torch.get_rng_state(),
+                  **self.state.to_checkpoint()}
+        workers = [{"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
+                   for m, smp, ws in zip(self.models, self.samplers, state["workers"])]
+        return self.checkpoints.save(step, self.config_dict, shared, workers)
+
+    def resume(self) -> None:
+        meta, shared, workers = self.checkpoints.load_latest(self._check_compatible)
+        for model, sampler, w in zip(self.models, self.samplers, workers, strict=True):
+            model.load_state_dict(w["model"])
+            sampler.load_state_dict(w["sampler"])
+        self.optimizer.load_state_dict(
+            {"shared": shared["strategy"], "workers": [w["strategy"] for w in workers], "ledger": shared["ledger"]})
+        torch.set_rng_state(shared["rng"])
+        self.state = RunState.from_checkpoint(int(meta["step"]), shared)
+        self.log(f"resuming from {self.checkpoints.latest_step_name()} at step {self.state.step}")
+
+    def _check_compatible(self, meta: dict) -> None:
+        problems = config_differences(meta["config"], self.config_dict)
+        if meta["world_size"] != self.comm.world_size:
+            problems.append(f"workers: {meta['world_size']} in the checkpoint, {self.comm.world_size} now")
         if problems:
             raise ConfigError(
-                f"{out} holds a checkpoint of a different run (step {meta['step']}); it differs in:\n  "
+                f"{self.out} holds a checkpoint of a different run (step {meta['step']}); it differs in:\n  "
                 + "\n  ".join(problems)
                 + "\nuse another --out, or the checkpoint's settings (lordo train --resume DIR reads them)"
             )
 
-    if checkpoints.has_checkpoint():
-        meta, shared, workers = checkpoints.load_latest(check_compatible)
-        for model, sampler, w in zip(models, samplers, workers, strict=True):
-            model.load_state_dict(w["model"])
-            sampler.load_state_dict(w["sampler"])
-        optimizer.load_state_dict(
-            {"shared": shared["strategy"], "workers": [w["strategy"] for w in workers], "ledger": shared["ledger"]}
-        )
-        torch.set_rng_state(shared["rng"])
-        start, train_s, skipped = int(meta["step"]), float(shared["train_s"]), int(shared["skipped"])
-        diagnostics = {k: list(v) for k, v in shared["diagnostics"].items()}
-        val_loss = float(shared["val_loss"])
-        resumed_window = (float(shared["loss_window"][0]), int(shared["loss_window"][1]))
-        log(f"resuming from {checkpoints.latest_step_name()} at step {start}")
+    def _last_good(self) -> str:
+        return self.checkpoints.latest_step_name() or "none (no checkpoint was saved yet)"
 
-    def save_checkpoint(step: int) -> Path:
-        state = optimizer.state_dict()
-        shared_state = {
-            "strategy": state["shared"],
-            "ledger": state["ledger"],
-            "rng": torch.get_rng_state(),
-            "train_s": train_s,
-            "skipped": skipped,
-            "diagnostics": diagnostics,
-            "val_loss": val_loss,
-            "loss_window": [loss_sum, loss_n],  # the train_loss of the next metrics row averages over it
-        }
-        workers_state = [
-            {"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
-            for m, smp, ws in zip(models, samplers, state["workers"])
-        ]
-        return checkpoints.save(step, config_dict, shared_state, workers_state)
+    def _write_config(self) -> None:
+        resolved = dict(self.config_dict)
+        resolved["derived"] = {"vocab_size": self.data.vocab_size, "params": self.models[0].num_params(),
+                               "data": str(self.data.root), "world_size": self.comm.world_size,
+                               "communicator": type(self.comm).__name__}
+        (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
 
-    def last_good() -> str:
-        return checkpoints.latest_step_name() or "none (no checkpoint was saved yet)"
 
-    if main:
-        resolved = dict(config_dict)
-        resolved["derived"] = {
-            "vocab_size": data.vocab_size,
-            "params": models[0].num_params(),
-            "data": str(data.root),
-            "world_size": comm.world_size,
-            "communicator": type(comm).__name__,
-        }
-        _write_json(out / "config.json", resolved)
-        if start:
-            _rewrite_metrics(out / "metrics.jsonl", start)
-        metrics = open(out / "metrics.jsonl", "a" if start else "w")
-    else:
-        metrics = open(os.devnull, "w")
-    board = _tensorboard(out, start) if main and t.log == "tensorboard" else None
-
-    progress = Progress(t.steps, stream, every=max(t.log_every, t.steps // 20))
-    if start == 0:
-        val_loss = evaluate(models[0], val, device) if main else float("nan")
-        metrics.write(json.dumps({"step": 0, "tokens": 0, "val_loss": val_loss, "val_ppl": math.exp(val_loss),
-                                  "eval_model": "synced", "comm_bytes": 0}) + "\n")
-        if board is not None:
-            board.add_scalar("val_loss", val_loss, 0)
-            board.add_scalar("val_ppl", math.exp(val_loss), 0)
-    wall0, train_s_at_start = time.perf_counter(), train_s
-    loss_sum, loss_n = resumed_window
-    try:
-        with _SignalFlag() as stop:
-            for step in range(start + 1, t.steps + 1):
-                t0 = time.perf_counter()
-                lr = cfg.optim.lr * lr_factor(step - 1, t.steps, cfg.schedule)
-                losses = []
-                for forward, sampler in zip(forwards, samplers):
-                    x, y = sampler.next()
-                    _, loss = forward(x.to(device), y.to(device))
-                    losses.append(loss.item())
-                    if math.isfinite(losses[-1]):
-                        loss.backward()
-                nonfinite, stop_requested = comm.agree([not all(map(math.isfinite, losses)), stop.signum is not None])
-                if nonfinite and t.on_nonfinite == "stop":
-                    raise NonFiniteError(
-                        f"the loss is not finite at step {step} (worker losses {losses}); last good checkpoint: "
-                        f"{last_good()}. Lower optim.lr, or set train.on_nonfinite=skip to skip such steps"
-                    )
-                if nonfinite:  # skip the step on every worker, keep the data position moving
-                    for m in models:
-                        m.zero_grad(set_to_none=True)
-                    skipped += 1
-                    stats: dict[str, float] = {"skipped_nonfinite": 1.0}
-                    log(f"step {step}: non-finite loss, step skipped on every worker ({skipped} so far)")
-                else:
-                    try:
-                        stats = optimizer.step(lr)
-                        if step == t.steps:
-                            stats.update(optimizer.finish())
-                    except NonFiniteError as exc:
-                        raise NonFiniteError(f"{exc}; last good checkpoint: {last_good()}") from None
-                train_s += time.perf_counter() - t0
-                finite = [v for v in losses if math.isfinite(v)]
-                loss_value = sum(finite) / len(finite) if finite else float("nan")  # mean over hosted workers
-                if finite:
-                    loss_sum, loss_n = loss_sum + loss_value, loss_n + 1
-
-                for key in ("basis_overlap", "residual_energy", "error_feedback_norm"):
-                    if key in stats:
-                        diagnostics.setdefault(key, []).append(stats[key])
-                row: dict[str, Any] = {}
-                if step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats:
-                    row = {"step": step, "tokens": step * tokens_per_step, "lr": lr}
-                    row["train_loss"] = loss_sum / loss_n if loss_n else float("nan")
-                    row.update(stats)
-                    loss_sum, loss_n = 0.0, 0
-                evaluated = step % t.eval_every == 0 or step == t.steps
-                if evaluated:
-                    scored, which = _model_to_score(optimizer, models[0], spare)
-                    if main:
-                        val_loss = evaluate(scored, val, device)
-                        row.update({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
-                                    "val_ppl": math.exp(val_loss), "eval_model": which})
-                evaluated = evaluated and main
-                if row:
-                    row["comm_bytes"] = comm.ledger.total_bytes
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                    if board is not None:
-                        for key, value in row.items():
-                            if key not in ("step", "synced") and isinstance(value, (int, float)) and math.isfinite(value):
-                                board.add_scalar(key, value, step)
-                if main:
-                    tps = (step - start) * tokens_per_step / max(train_s - train_s_at_start, 1e-9)
-                    text = f"loss {loss_value:.3f}  lr {lr:.2e}  {tps:,.0f} tok/s"
-                    progress.update(step, text + (f"  val_ppl {math.exp(val_loss):.1f}" if evaluated else ""), force=evaluated)
-                periodic = t.checkpoint_every and step % t.checkpoint_every == 0
-                if periodic or step == t.steps or stop_requested:
-                    metrics.flush()
-                    saved = save_checkpoint(step)
-                if stop_requested and step < t.steps:
-                    name = signal.Signals(stop.signum).name if stop.signum else "a signal on another worker"
-                    raise Stopped(
-                        f"stopped by {name} after step {step}; checkpoint saved to {saved}. "
-                        f"Continue with: lordo train --resume {out}",
-                        128 + (stop.signum or signal.SIGTERM),
-                    )
-            if start >= t.steps and main:  # resumed a finished run: evaluate the final model again
-                val_loss = evaluate(models[0], val, device)
-    finally:
-        metrics.close()
-        if board is not None:
-            board.close()
-
-    steps_done = t.steps
-    ledger = comm.ledger
-    # what ddp would send over the same steps (plus the same initial broadcast); nothing with one worker
-    init = ledger.entries.get("broadcast:init")
-    ddp_bytes = steps_done * optimizer.strategy.step_payload_bytes() + (init.bytes if init else 0) if comm.world_size > 1 else 0
-    compute_s = max(0.0, train_s - ledger.comm_s) / len(comm.local_ranks)  # per worker
-    summary = {
-        "strategy": cfg.strategy.name,
-        "model": cfg.model.preset,
-        "params": models[0].num_params(),
-        "workers": comm.world_size,
-        "communicator": type(comm).__name__,
-        "sync_every": cfg.strategy.sync_every if cfg.strategy.name != "ddp" else 1,
-        "steps": steps_done,
-        "tokens": steps_done * tokens_per_step,
-        "val_loss": val_loss,
-        "val_ppl": math.exp(val_loss),
-        "unigram_val_ppl": data.manifest["unigram_baseline"]["val_ppl"],
-        "wall_s": time.perf_counter() - wall0,
-        "train_s": train_s,
-        "tokens_per_s": steps_done * tokens_per_step / train_s,
-        "optimizer_state_bytes": optimizer.strategy.state_bytes(),
-        "comm_bytes_total": ledger.total_bytes,
-        "comm_bytes_per_step": ledger.total_bytes / steps_done,
-        "comm_calls": ledger.total_calls,
-        "comm_by_collective": ledger.table(),
-        "ddp_comm_bytes": ddp_bytes,
-        "comm_ratio_to_ddp": ledger.total_bytes / ddp_bytes if ddp_bytes else None,
-        "compute_s_per_worker": compute_s,
-        "measured_comm_s": ledger.comm_s,
-        "modeled_wall_s": {
-            f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) for bw in cfg.comm.bandwidths_gbit
-        },
-        "latency_s": cfg.comm.latency_s,
-        "skipped_steps": skipped,
-        "resumed_from_step": start,
-        "out_dir": str(out),
-    }
-    for key, values in diagnostics.items():
-        summary[f"{key}_mean"] = sum(values) / len(values)
-        summary[f"{key}_last"] = values[-1]
-    if main:
-        torch.save(models[0].state_dict(), out / "model.pt")
-        _write_json(out / "summary.json", summary)
-    return summary
+__all__ = ["RunState", "Trainer", "build_model", "evaluate", "resolve_device", "train"]

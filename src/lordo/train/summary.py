@@ -1,0 +1,60 @@
+"""summary.json: what a finished run reports (perplexity, bytes against DDP, optimizer state, modelled time)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .loop import Trainer
+
+
+def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, Any]:
+    """The run's summary; the main process also writes summary.json and the final model.pt."""
+    cfg, comm, state = trainer.cfg, trainer.comm, trainer.state
+    steps = cfg.train.steps
+    ledger = comm.ledger
+    report = trainer.optimizer.comm_report()
+    compute_s = max(0.0, state.train_s - ledger.comm_s) / len(comm.local_ranks)  # per worker
+    summary = {
+        "strategy": cfg.strategy.name,
+        "model": cfg.model.preset,
+        "params": trainer.models[0].num_params(),
+        "workers": comm.world_size,
+        "communicator": type(comm).__name__,
+        "sync_every": cfg.strategy.sync_every if cfg.strategy.name != "ddp" else 1,
+        "steps": steps,
+        "tokens": steps * trainer.tokens_per_step,
+        "val_loss": state.val_loss,
+        "val_ppl": math.exp(state.val_loss),
+        "unigram_val_ppl": trainer.data.manifest["unigram_baseline"]["val_ppl"],
+        "wall_s": wall_s,
+        "train_s": state.train_s,
+        "tokens_per_s": steps * trainer.tokens_per_step / state.train_s if state.train_s else float("nan"),
+        "optimizer_state_bytes": trainer.optimizer.strategy.state_bytes(),
+        "comm_bytes_total": ledger.total_bytes,
+        "comm_bytes_per_step": ledger.total_bytes / steps,
+        "comm_calls": ledger.total_calls,
+        "comm_by_collective": ledger.table(),
+        "ddp_comm_bytes": report["ddp_bytes"],
+        "comm_ratio_to_ddp": report["ratio_to_ddp"],
+        "compute_s_per_worker": compute_s,
+        "measured_comm_s": ledger.comm_s,
+        "modeled_wall_s": {
+            f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) for bw in cfg.comm.bandwidths_gbit
+        },
+        "latency_s": cfg.comm.latency_s,
+        "skipped_steps": state.skipped,
+        "resumed_from_step": resumed_from,
+        "out_dir": str(trainer.out),
+    }
+    for key, values in state.diagnostics.items():
+        summary[f"{key}_mean"] = sum(values) / len(values)
+        summary[f"{key}_last"] = values[-1]
+    if trainer.main:
+        torch.save(trainer.models[0].state_dict(), trainer.out / "model.pt")
+        (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
