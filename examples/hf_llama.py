@@ -59,14 +59,18 @@ def main() -> None:
     model = LlamaForCausalLM(config)
     # attention and MLP projections train low-rank; the (tied) embedding and the norms full-rank
     opt = lordo.distributed(model, args.strategy, lr=args.lr, rank=args.rank, sync_every=args.sync_every)
+    # any torch LR scheduler: 10 warm-up steps, then cosine
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     g = torch.Generator().manual_seed(1000 + rank)
     for step in range(args.steps):
         starts = torch.randint(0, len(tokens) - n, (args.batch_size,), generator=g).tolist()
         batch = torch.stack([tokens[s : s + n] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        lr = args.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        stats = opt.step(lr=lr)
+        opt.step()
+        schedule.step()
+        stats = opt.last_stats  # diagnostics of the step: "synced" at a synchronisation
         if opt.is_main and (step % 20 == 0 or "synced" in stats):
             print(f"step {step:4d}  loss {loss.item():.3f}" + ("  (synced)" if "synced" in stats else ""))
     opt.finish()

@@ -85,16 +85,21 @@ def main() -> None:
     model = TinyLM(data.vocab_size, seq=seq)
     # --- the ten lines that matter ---
     opt = lordo.distributed(model, args.strategy, lr=args.lr, rank=args.rank, sync_every=args.sync_every)
+    # any torch LR scheduler: 10 warm-up steps, then cosine
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
     for step in range(args.steps):
         starts = torch.randint(0, len(train_tokens) - seq - 1, (args.batch_size,), generator=g)
         batch = torch.stack([train_tokens[s : s + seq + 1] for s in starts.tolist()])
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
-        lr = args.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        stats = opt.step(lr=lr)
+        opt.step()
+        schedule.step()
+        stats = opt.last_stats  # diagnostics of the step: "synced" at a synchronisation
         if opt.is_main and (step % 20 == 0 or "synced" in stats):
-            print(f"step {step:4d}  loss {loss.item():.3f}  lr {lr:.2e}" + ("  (synced)" if "synced" in stats else ""))
+            synced = "  (synced)" if "synced" in stats else ""
+            print(f"step {step:4d}  loss {loss.item():.3f}  lr {schedule.get_last_lr()[0]:.2e}{synced}")
     opt.finish()  # every worker now holds the same model
     # ---------------------------------
 

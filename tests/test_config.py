@@ -103,6 +103,6 @@ def test_configs_are_checked_when_constructed(make, message):
 
 
 def test_a_default_config_trains_at_its_strategys_learning_rate():
-    assert Config().optim.lr == DEFAULT_LR["ddp"]
-    assert Config(strategy=StrategyConfig(name="lordo")).optim.lr == DEFAULT_LR["lordo"]
+    assert Config().strategy.name == "lordo" and Config().optim.lr == DEFAULT_LR["lordo"]
+    assert Config(strategy=StrategyConfig(name="ddp")).optim.lr == DEFAULT_LR["ddp"]
     assert OptimConfig(lr=3).lr == 3.0 and isinstance(OptimConfig(lr=3).lr, float)  # coerced like a config file's

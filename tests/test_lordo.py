@@ -273,3 +273,19 @@ def test_a_format_1_outer_momentum_loads_into_the_outer_optimizer():
     strategy2.finish()
     for a, b in zip(reference, models2[0].parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("qh_source", ["grad", "grad+error"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("name", ["lordo", "lordo-local", "lordo-global-noqh", "lowrank-ddp"])
+def test_every_low_rank_strategy_runs_in_every_dtype_through_basis_changes(name, dtype, qh_source):
+    """Bases are float32; moments, gradients and error feedback are in the parameter's dtype. 8 steps with
+    K = 3 make two basis changes (syncs for the local-update strategies, refreshes for lowrank-ddp)."""
+    cfg = strategy_config(name, [*LOWRANK, f'strategy.qh_source="{qh_source}"'])
+    params, ledger = run_strategy(SimCommunicator(2), cfg, steps=8, dtype=dtype)
+    assert all(p.dtype == dtype and bool(torch.isfinite(p).all()) for p in params)
+    assert ledger["all_reduce:projected_gradient" if name == "lowrank-ddp" else "all_reduce:pseudo_gradient"]["calls"] >= 3
+    reference, _ = run_strategy(SimCommunicator(2), cfg, steps=8, dtype=torch.float32)
+    tolerance = {torch.float64: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.05}[dtype]
+    for a, b in zip(params, reference):
+        torch.testing.assert_close(a.float(), b, rtol=tolerance, atol=tolerance)

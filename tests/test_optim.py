@@ -401,3 +401,88 @@ def test_error_feedback_under_a_constant_gradient_by_hand(after_qh):
         opt.step()
     expected = steps * outside if after_qh == "keep" else omega / (1 - omega) * outside
     torch.testing.assert_close(opt.error_feedback(w), expected, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("group, message", [
+    ({"params": [torch.nn.Parameter(torch.zeros(2, 3, 4))], "rank": 2}, "takes 2-D matrices only"),
+    ({"params": [torch.nn.Parameter(torch.zeros(6, 4))], "rank": 5}, r"rank must be an integer in \[1, 4\]"),
+    ({"params": [torch.nn.Parameter(torch.zeros(6, 4))], "omega": 3.0}, r"omega must be in \[0, 1\], got 3.0"),
+    ({"params": [torch.nn.Parameter(torch.zeros(6))], "weight_decay": -1.0}, "weight_decay must be >= 0, got -1.0"),
+    ({"params": [torch.nn.Parameter(torch.zeros(6, 4))], "rank": 2, "proj_type": "reverse_std"},
+     "proj_type 'reverse_std' is not supported"),
+    ({"params": [torch.nn.Parameter(torch.zeros(6, 4))], "rank": 2, "update_proj_gap": 0}, "update_proj_gap must be"),
+])
+def test_add_param_group_checks_like_the_constructor(group, message):
+    opt = LowRankQHAdam([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group(group)
+    assert len(opt.param_groups) == 1  # the bad group was not kept
+
+
+def test_sparse_gradients_are_refused_clearly():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = LowRankQHAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match=r"does not take sparse gradients .*sparse=False"):
+        opt.step()
+
+
+def test_galore_scale_with_an_identity_basis_is_adamw_at_a_scaled_learning_rate():
+    torch.manual_seed(9)
+    w = torch.nn.Parameter(torch.randn(7, 5))
+    ref = torch.nn.Parameter(w.detach().clone())
+    opt = LowRankQHAdam([{"params": [w], "rank": 5, "scale": 0.25, "error_feedback": False}], lr=0.1, omega=1.0)
+    opt.set_basis(w, torch.eye(5))
+    adamw = torch.optim.AdamW([ref], lr=0.025, weight_decay=0.0)
+    for _ in range(4):
+        g = torch.randn(7, 5)
+        w.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+    torch.testing.assert_close(w, ref, rtol=1e-6, atol=1e-7)
+
+
+def test_galore_update_proj_gap_takes_a_new_basis_from_the_gradient_every_n_steps():
+    torch.manual_seed(10)
+    w = torch.nn.Parameter(torch.randn(9, 6))
+    opt = LowRankQHAdam([{"params": [w], "rank": 2, "update_proj_gap": 3}], lr=1e-2)
+    bases = []
+    for step in range(7):
+        g = torch.randn(9, 6)
+        w.grad = g
+        opt.step()
+        bases.append(opt.state[w]["basis"].clone())
+        if step in (0, 3, 6):  # GaLore's schedule: steps 0, N, 2N use their own gradient's top-r basis
+            assert torch.equal(bases[-1], svd_basis(g, 2))
+        else:
+            assert torch.equal(bases[-1], bases[-2])
+
+
+def test_state_dtypes_survive_load_state_dict():
+    """torch's load_state_dict casts state to the parameter's dtype; float32 moments and bases of a bf16
+    matrix and a bf16 error-feedback buffer of an fp32 one must come back as saved, and the run continue
+    bit for bit."""
+    torch.manual_seed(11)
+    for dtype, ef_dtype in ((torch.bfloat16, None), (torch.float32, torch.bfloat16)):
+        def make(dtype=dtype, ef_dtype=ef_dtype):
+            w = torch.nn.Parameter(torch.ones(8, 5, dtype=dtype))
+            return w, LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2, error_feedback_dtype=ef_dtype)
+        grads = [torch.randn(8, 5, dtype=dtype) for _ in range(6)]
+        w, opt = make()
+        for g in grads[:3]:
+            w.grad = g.clone()
+            opt.step()
+        buf = io.BytesIO()
+        torch.save({"w": w.detach().clone(), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        w2, opt2 = make()
+        w2.data.copy_(saved["w"])
+        opt2.load_state_dict(saved["opt"])
+        assert {k: v.dtype for k, v in opt2.state[w2].items() if torch.is_tensor(v)} == \
+               {k: v.dtype for k, v in opt.state[w].items() if torch.is_tensor(v)}
+        for g in grads[3:]:
+            for p, o in ((w, opt), (w2, opt2)):
+                p.grad = g.clone()
+                o.step()
+        assert torch.equal(w, w2)

@@ -26,3 +26,15 @@ def test_wsd_is_flat_then_decays_linearly_to_floor():
     assert values[:2] == [0.5, 1.0]
     assert all(v == 1.0 for v in values[2:16])
     assert values[16:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_automatic_warmup_fits_any_run_length():
+    from lordo.config import ScheduleConfig
+    from lordo.train.schedule import warmup_steps
+
+    auto = ScheduleConfig()
+    assert auto.warmup_steps == -1
+    assert [warmup_steps(n, auto) for n in (5, 20, 300, 500, 10_000)] == [0, 2, 30, 50, 50]
+    assert lr_factor(0, 20, auto) == pytest.approx(0.5) and lr_factor(1, 20, auto) == pytest.approx(1.0)
+    assert lr_factor(0, 5, auto) == pytest.approx(1.0)  # no warm-up at all in a 5-step run
+    assert warmup_steps(20, ScheduleConfig(warmup_steps=7)) == 7

@@ -19,7 +19,7 @@ replicas, simulates that many workers in-process. ``lordo train`` drives the sam
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,13 +35,20 @@ _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
 _STRATEGY_KEYS = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
 
 
-class DistributedOptimizer:
-    """The optimizer state and all communication of the workers this process hosts.
+class DistributedOptimizer(torch.optim.Optimizer):
+    """The optimizer state and all communication of the workers this process hosts, as a
+    ``torch.optim.Optimizer``.
 
-    Call :meth:`step` once per training step, after ``loss.backward()`` on every hosted replica; it
-    takes the local (or synchronous) optimizer step, communicates when due, and clears the gradients.
-    Build it with :func:`distributed`; ``lordo train`` builds it from a :class:`~lordo.config.Config`.
+    Call :meth:`step` once per training step, after ``loss.backward()`` on every hosted replica; it takes
+    the local (or synchronous) optimizer step, communicates when due, and clears the gradients.
+    ``param_groups`` mirror the inner optimizer's groups (for LoRDO: the low-rank and the full-rank ones),
+    each holding that group's parameters of every hosted replica; what a torch LR scheduler or you change
+    in them (``lr``, ``weight_decay``, ``betas``, ...) is what the next step uses. ``GradScaler.step(opt)``
+    works: gradients are unscaled here, and a step with inf/NaN gradients on any worker is skipped on every
+    worker. Build it with :func:`distributed`; ``lordo train`` builds it from a :class:`~lordo.config.Config`.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf; see step()
 
     def __init__(
         self,
@@ -63,14 +70,62 @@ class DistributedOptimizer:
             groups = [default_groups(m) for m in self.models]
         self.groups = [list(g) for g in groups]
         self.strategy: Strategy = build_strategy(cfg, self.models, self.groups, comm)
+        self.last_stats: dict[str, float] = {}
+        inner = [w.optimizer for w in self.strategy.workers]
+        mirrored = [
+            {**{k: v for k, v in group.items() if k != "params"},
+             "params": [p for opt in inner for p in opt.param_groups[i]["params"]]}
+            for i, group in enumerate(inner[0].param_groups)
+        ]
+        self._building = True
+        super().__init__(mirrored, defaults=dict(inner[0].defaults))  # schedulers read betas, momentum there
+        self._building = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise ConfigError("a DistributedOptimizer holds the whole model from its construction; parameters cannot "
+                              "be added later (build it over a model that has them)")
+        super().add_param_group(param_group)
 
     # --- the training step -------------------------------------------------------------------------
-    def step(self, lr: float | None = None) -> dict[str, float]:
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, lr: float | None = None) -> Any:
         """One optimizer step of every hosted worker from its ``.grad`` (clipped to ``grad_clip``), with the
-        communication due at this step; clears the gradients. ``lr`` overrides the configured learning
-        rate for this step (pass your schedule's value). Returns diagnostics (gradient norm; at a
-        synchronisation ``synced``, ``pseudo_grad_norm``, ``basis_overlap``, ``residual_energy``)."""
-        return self.strategy.step(self.cfg.optim.lr if lr is None else float(lr))
+        communication due at this step; clears the gradients. ``closure`` (optional) recomputes the loss
+        and gradients, as in torch; ``lr`` sets every group's learning rate first (or use a torch LR
+        scheduler). Returns the closure's loss; the step's diagnostics (gradient norm; at a synchronisation
+        ``synced``, ``pseudo_grad_norm``, ``basis_overlap``, ``residual_energy``, ``error_feedback_norm``)
+        are in :attr:`last_stats`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if lr is not None:
+            for group in self.param_groups:
+                group["lr"] = float(lr)
+        if self._amp_skip():
+            self.zero_grad(set_to_none=True)
+            self.last_stats = {"amp_skipped": 1.0}
+            return loss
+        for w in self.strategy.workers:  # the hyperparameters the groups hold now, into every inner optimizer
+            for mine, theirs in zip(self.param_groups, w.optimizer.param_groups, strict=True):
+                theirs.update({k: v for k, v in mine.items() if k != "params"})
+        self.last_stats = self.strategy.step()
+        return loss
+
+    def _amp_skip(self) -> bool:
+        """Under ``GradScaler.step(opt)``: unscale the gradients, and say whether to skip this step (every
+        worker skips when any found inf/NaN: a worker that stepped alone would leave the others' collectives)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        (skip,) = self.comm.agree([bool(found_inf.item() > 0)])
+        scale = getattr(self, "grad_scale", None)
+        if not skip and scale is not None:  # None: the user already called scaler.unscale_(opt)
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
+        return skip
 
     def finish(self) -> dict[str, float]:
         """Synchronise once more if local steps are pending, so every worker holds the same model. Call it
@@ -106,6 +161,7 @@ class DistributedOptimizer:
         ``shared`` (the same on every worker), ``workers`` (one entry per hosted worker) and the ledger."""
         state = self.strategy.state_dict()
         state["ledger"] = self.comm.ledger.state_dict()
+        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -117,6 +173,11 @@ class DistributedOptimizer:
         self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
         if "ledger" in state:
             self.comm.ledger.load_state_dict(state["ledger"])
+        saved_groups = state.get("param_groups", [])
+        if saved_groups and len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state holds {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update(saved)
 
     # --- accounting ----------------------------------------------------------------------------------
     @property

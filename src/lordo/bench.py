@@ -276,7 +276,7 @@ def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, 
         for model, sampler in zip(models, samplers):
             x, y = sampler.next()
             model(x, y)[1].backward()
-        opt.step(3e-3)
+        opt.step(lr=3e-3)
     return captured
 
 

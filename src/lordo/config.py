@@ -133,7 +133,8 @@ class OptimConfig(_Section):
 class ScheduleConfig(_Section):
     _name = "schedule"
     kind: str = _f("cosine", "learning-rate schedule", _choice("cosine", "wsd", "constant"))
-    warmup_steps: int = _f(50, "linear warm-up steps from 0 to the peak lr", _non_negative)
+    warmup_steps: int = _f(-1, "linear warm-up steps from 0 to the peak lr; -1 = min(50, train.steps // 10)",
+                           lambda v: None if v >= -1 else "must be >= 0 (or -1: automatic)")
     min_lr_ratio: float = _f(0.1, "final lr as a fraction of the peak (cosine, wsd)", _unit_closed)
     decay_fraction: float = _f(0.2, "wsd: share of the steps spent in the final linear decay", _unit_closed)
 
@@ -153,6 +154,10 @@ class TrainConfig(_Section):
     log_every: int = _f(10, "write a metrics row every N steps", _positive)
     device: str = _f("auto", "auto = cuda if available, else cpu", _choice("auto", "cpu", "cuda"))
     compile: bool = _f(False, "torch.compile the model")
+    precision: str = _f("auto", "fp32; bf16-mixed (bfloat16 autocast, float32 weights and optimizer state); bf16 "
+                        "(bfloat16 weights; optimizer moments stay float32); fp16-mixed (float16 autocast with a "
+                        "gradient scaler); auto = bf16-mixed on CUDA, fp32 on CPU",
+                        _choice("auto", "fp32", "bf16-mixed", "bf16", "fp16-mixed"))
     threads: int = _f(0, "torch intra-op threads; 0 = torch's default", _non_negative)
     checkpoint_every: int = _f(250, "save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT); 0 = "
                                "only then", _non_negative)
@@ -174,7 +179,7 @@ STRATEGY_NAMES = tuple(DEFAULT_LR)
 @dataclass(kw_only=True)
 class StrategyConfig(_Section):
     _name = "strategy"
-    name: str = _f("ddp", "what happens after backward: ddp (AdamW on the averaged gradient every step), "
+    name: str = _f("lordo", "what happens after backward: ddp (AdamW on the averaged gradient every step), "
                    "local-adam (K local AdamW steps, then average; DiLoCo / DES-LOC), lordo (global low-rank basis + "
                    "full-rank QH term), lordo-global-noqh (omega = 1), lordo-local (per-worker bases), "
                    "lowrank-ddp (projected gradients all-reduced every step)", _choice(*STRATEGY_NAMES))
@@ -211,6 +216,8 @@ class StrategyConfig(_Section):
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "
                                    "state LoRDO keeps): float32, or bfloat16 to halve it",
                                    _choice("float32", "bfloat16"))
+    sync_buffers: bool = _f(True, "average the models' persistent buffers (BatchNorm statistics, ...) over the workers "
+                            "at each synchronisation (every step for ddp and lowrank-ddp)")
     lowrank_pattern: str = _f("auto", "which 2-D parameters are trained low-rank: auto (the block matrices: attention "
                               "and MLP weights; not embeddings or output heads) or a regular expression on names")
 

@@ -66,8 +66,10 @@ def lowrank_qh_adam_update_many(
     weight_decay: float,
     omega: float,
     qh_lowranks: list[torch.Tensor | None] | None = None,
+    lowrank_scale: float = 1.0,
 ) -> None:
-    """:func:`lowrank_qh_adam_update` for several matrices: the moment math on the small low-rank tensors runs
+    """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_scale``: GaLore's ``scale``, a factor on
+    the low-rank update ω·back(û/D) only): the moment math on the small low-rank tensors runs
     as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass."""
     if not params:
         return
@@ -89,12 +91,14 @@ def lowrank_qh_adam_update_many(
     totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(params)
     decay = 1 - lr * weight_decay
     lows = qh_lowranks if qh_lowranks is not None else [None] * len(params)
-    for param, qh_grad, low, basis, side, step, root, ratio, denom, total in zip(
+    for weight, qh_grad, low, basis, side, step, root, ratio, denom, total in zip(
             params, qh_grads, lows, bases, sides, steps, roots, ratios, denoms, totals, strict=True):
+        # a bf16/fp16 matrix is updated in float32 (the moments' precision) and rounded once
+        param = weight if weight.dtype == ratio.dtype else weight.to(ratio.dtype)
         with_qh = qh and qh_grad is not None
         # the QH term's scale: − η(1−ω)·A/mean(D) = − η(1−ω)·numel·sqrt(bc2)·A/sum(D')
         kappa = lr * (1 - omega) * denom.numel() * root
-        alpha = -lr * (omega if with_qh else 1.0) * root / (1 - beta1**step)
+        alpha = -lr * (omega if with_qh else 1.0) * lowrank_scale * root / (1 - beta1**step)
         if with_qh and low is not None:
             assert total is not None
             # + η(1−ω)·back(c)/mean(D) joins the low-rank update: one GEMM for both
@@ -111,6 +115,8 @@ def lowrank_qh_adam_update_many(
             assert qh_grad is not None and total is not None
             param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
                            total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa)
+        if param is not weight:
+            weight.copy_(param)
 
 
 @torch.no_grad()
@@ -129,7 +135,14 @@ def qh_adam_update(
     omega: float,
 ) -> None:
     """Full-rank QHAdam with decoupled weight decay: U = ((1−ω)·G + ω·û)/D, D = sqrt(v̂) + ε; ``step`` (0-d)
-    is incremented first. ω = 1 is AdamW exactly."""
+    is incremented first. ω = 1 is AdamW exactly. With moments of a wider dtype than the parameter (fp32
+    moments of a bf16 weight), the update is computed at the moments' precision and rounded once."""
+    if param.dtype != exp_avg.dtype:
+        wide = param.to(exp_avg.dtype)
+        qh_adam_update(wide, grad.to(exp_avg.dtype), exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2,
+                       eps=eps, weight_decay=weight_decay, omega=omega)
+        param.copy_(wide)
+        return
     step += 1
     t = int(step)
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -169,8 +182,8 @@ def qh_adam_update_many(
     if not params:
         return
     supported = {p.device.type for p in params} <= {"cpu", "cuda"} and all(
-        p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not g.is_sparse
-        for p, g in zip(params, grads)
+        p.dtype in (torch.float32, torch.float64) and p.dtype == m.dtype and not g.is_sparse
+        for p, g, m in zip(params, grads, exp_avgs)
     )
     if omega == 0.0 or not supported:
         for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):

@@ -60,14 +60,16 @@ def rotate_moments(
     With C = P_newᵀ·P_old (r×r) applied on the reduced axis:
         u ← C·u
         v ← |(C∘C)·(v̂ − û²) + (C·û)²| · (1 − β2^t)      (v̂, û bias-corrected; v̂ − û² clamped at 0)
-    A basis spanning the same subspace leaves back(u) unchanged."""
-    c = new.T @ old
+    A basis spanning the same subspace leaves back(u) unchanged. Computed in float32 (float64 for float64
+    moments) whatever the moments' dtype: bf16/fp16 moments are rotated at full precision and rounded once."""
     if step <= 0:  # nothing accumulated yet
         exp_avg.zero_(), exp_avg_sq.zero_()
         return
+    work = torch.promote_types(exp_avg.dtype, torch.float32)
+    c = new.to(work).T @ old.to(work)
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    u_hat = exp_avg / bc1
-    variance = (exp_avg_sq / bc2 - u_hat.square()).clamp_(min=0)
+    u_hat = exp_avg.to(work) / bc1
+    variance = (exp_avg_sq.to(work) / bc2 - u_hat.square()).clamp_(min=0)
     if side == RIGHT:  # moments are p×r: the reduced axis is the last one
         rotated_u = u_hat @ c.T
         rotated_var = variance @ c.square().T

@@ -24,6 +24,32 @@ INSIDE = "error_feedback_inside"  # with a deferred buffer S and qh_source grad+
 BASIS_METHODS = ("svd", "subspace")
 
 
+GALORE_PROJ_TYPES = ("std",)
+
+
+def _check_dense(p: torch.Tensor) -> None:
+    grad = grad_of(p)
+    if grad.is_sparse:
+        raise ValueError(f"LowRankQHAdam does not take sparse gradients (a parameter of shape {tuple(p.shape)}); "
+                         "use nn.Embedding(..., sparse=False)")
+
+
+def _check_galore_keys(group: dict) -> None:
+    """GaLore's group keys, with GaLore's meaning: ``update_proj_gap`` (recompute the basis from the gradient
+    every N steps of the matrix), ``scale`` (factor on the low-rank update), ``proj_type`` (only ``std``, the
+    side rule used here: compress the smaller side)."""
+    gap = group.setdefault("update_proj_gap", None)
+    if gap is not None and not (isinstance(gap, int) and not isinstance(gap, bool) and gap >= 1):
+        raise ValueError(f"update_proj_gap must be None or an integer >= 1, got {gap!r}")
+    scale = group.setdefault("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a number > 0, got {scale!r}")
+    proj_type = group.setdefault("proj_type", "std")
+    if proj_type not in GALORE_PROJ_TYPES:
+        raise ValueError(f"proj_type {proj_type!r} is not supported: LowRankQHAdam compresses the smaller side of each "
+                         f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
+
+
 class LowRankQHAdam(torch.optim.Optimizer):
     """LoRDO's local optimizer for one process: low-rank QH-Adam with error feedback.
 
@@ -83,14 +109,24 @@ class LowRankQHAdam(torch.optim.Optimizer):
             error_feedback_after_qh=error_feedback_after_qh,
             basis_iterations=basis_iterations,
         )
-        super().__init__(params, defaults)
-        for group in self.param_groups:
-            self._check_group(group)
+        super().__init__(params, defaults)  # checks each group in add_param_group
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, with every option checked (a bad group is not added)."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     @staticmethod
     def _check_group(group: dict) -> None:
         if not group["lr"] >= 0:
             raise ValueError(f"lr must be >= 0, got {group['lr']}")
+        if not group["weight_decay"] >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+        _check_galore_keys(group)
         b1, b2 = group["betas"]
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"betas must be in [0, 1), got {group['betas']}")
@@ -146,8 +182,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
         shape = (p.shape[0], r) if side_of(p.shape) == "right" else (r, p.shape[1])
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["basis"] = basis.to(device=p.device, dtype=torch.float32).clone()  # never alias the caller's tensor
-        state["exp_avg"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        state["exp_avg_sq"] = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        # low-rank moments are small (r per row): float32 even for a bf16/fp16 matrix, where Adam's g² and ε
+        # would underflow
+        moment_dtype = torch.promote_types(p.dtype, torch.float32)
+        state["exp_avg"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+        state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
         if group["error_feedback"]:
             state["error_feedback"] = torch.zeros_like(p, dtype=group.get("error_feedback_dtype") or p.dtype)
         return state
@@ -197,12 +236,15 @@ class LowRankQHAdam(torch.optim.Optimizer):
         """g = proj(G + E) of each low-rank matrix in ``params``, updating its error feedback (the deferred
         sums in one multi-tensor call); creates a matrix's state (basis from its gradient) on first use."""
         for p in params:
-            if "basis" not in self.state[p]:
-                group = self._group_of(p)
+            _check_dense(p)
+            group, state = self._group_of(p), self.state[p]
+            if "basis" not in state:
                 basis = svd_basis(grad_of(p), group["rank"])
                 if basis is None:
                     raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
                 self._init_lowrank_state(p, group, basis)
+            elif group["update_proj_gap"] and int(state["step"]) % group["update_proj_gap"] == 0:
+                self.refresh_basis(p, grad_of(p))  # GaLore's schedule: a new basis from this step's gradient
         deferred = [p for p in params if self.state[p].get(DEFERRED)]
         if deferred:
             # E has no component in the basis's subspace: proj(G + E) = proj(G); E accumulates G (see below)
@@ -271,7 +313,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 ps, gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
                 lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                omega=group["omega"], qh_lowranks=lows,
+                omega=group["omega"], qh_lowranks=lows, lowrank_scale=group["scale"],
             )
             if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
                 # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
@@ -304,14 +346,17 @@ class LowRankQHAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_full_rank(self, params: list[torch.Tensor]) -> None:
         """Full-rank QHAdam on ``params``, one multi-tensor call per parameter group."""
+        for p in params:
+            _check_dense(p)
         for group, index in self._by_group(params):
             ps = [params[i] for i in index]
             states = [self.state[p] for p in ps]
             for p, state in zip(ps, states):
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    # float32 moments for a bf16/fp16 parameter: Adam's g² and ε underflow in half precision
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                    state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
             b1, b2 = group["betas"]
             qh_adam_update_many(
                 ps, [grad_of(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
@@ -333,6 +378,18 @@ class LowRankQHAdam(torch.optim.Optimizer):
             self.apply_lowrank(with_grad, self.project_gradients(with_grad))
         return loss
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, keeping each state tensor's saved dtype: torch casts them to their
+        parameter's, which would round float32 bases and moments of a bf16 matrix to bf16 and turn a bf16
+        error-feedback buffer into float32."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self.state[params[int(index)]]
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and state[key].dtype != value.dtype:
+                    state[key] = value.to(device=state[key].device, copy=True)
+
     # ---------------------------------------------------------------------------------------------------
     # accounting
 
@@ -343,11 +400,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 itemsize = p.element_size()
                 if group["rank"] is None:
-                    out["full_rank_moments"] += 2 * p.numel() * itemsize
+                    out["full_rank_moments"] += 2 * p.numel() * max(itemsize, 4)
                     continue
                 r = group["rank"]
                 big = p.shape[0] if side_of(p.shape) == "right" else p.shape[1]
-                out["lowrank_moments"] += 2 * big * r * itemsize
+                out["lowrank_moments"] += 2 * big * r * max(itemsize, 4)
                 out["bases"] += min(p.shape) * r * 4
                 if group["error_feedback"]:
                     ef_dtype = group.get("error_feedback_dtype") or p.dtype

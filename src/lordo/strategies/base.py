@@ -9,6 +9,7 @@ optimizer directly. Strategies take their settings as keyword arguments and chec
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,17 @@ def check_workers(models: Sequence[nn.Module], comm: Communicator,
     return workers
 
 
+def model_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The model's persistent floating-point buffers (BatchNorm's running statistics, ...): state that is not
+    trained but differs between workers. Non-persistent ones (RoPE tables) are constants."""
+    out = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and name not in module._non_persistent_buffers_set:
+                out.append(buf)
+    return out
+
+
 def check_number(name: str, value: Any, *, minimum: float = 0.0, below: float | None = None, integer: bool = False) -> None:
     """A keyword argument's range check, with the error a config file would give."""
     kind_ok = isinstance(value, int) if integer else isinstance(value, (int, float))
@@ -87,22 +99,39 @@ class Strategy(ABC):
     name: str = ""
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *,
-                 optimizers: Sequence[torch.optim.Optimizer], grad_clip: float = 0.5) -> None:
+                 optimizers: Sequence[torch.optim.Optimizer], grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
         check_number("grad_clip", grad_clip)
         self.comm, self.grad_clip = comm, float(grad_clip)
         self.workers = check_workers(models, comm, optimizers)
         self.steps_done = 0
+        self.buffers = [model_buffers(w.model) for w in self.workers] if sync_buffers else [[] for _ in self.workers]
+
+    def average_buffers(self) -> None:
+        """Average the models' persistent buffers over the workers (at each synchronisation; ``sync_buffers``)."""
+        if self.buffers[0]:
+            self.comm.all_reduce_mean(self.buffers, tag="buffers")
 
     @property
     def models(self) -> list[nn.Module]:
         return [w.model for w in self.workers]
 
     def grads(self) -> list[list[torch.Tensor]]:
+        """Every hosted worker's gradients, in parameter order. A parameter the forward pass did not use has
+        none: it gets a zero gradient (like DDP's unused parameters), with one warning naming it; a worker
+        with no gradient at all has not run backward, which is an error."""
         out = []
         for w in self.workers:
             missing = [i for i, p in enumerate(w.params) if p.grad is None]
-            if missing:
-                raise RuntimeError(f"{len(missing)} parameters have no gradient: call loss.backward() before step()")
+            if len(missing) == len(w.params):
+                raise RuntimeError(f"no parameter of worker {w.rank} has a gradient: call loss.backward() before step()")
+            if missing and not getattr(self, "_warned_unused", False):
+                names = {id(p): n for n, p in w.model.named_parameters()}
+                unused = ", ".join(names.get(id(w.params[i]), "?") for i in missing)
+                warnings.warn(f"parameters without a gradient (unused in forward?): {unused}; they get zero gradients "
+                              "(set requires_grad=False on parameters you do not train)", RuntimeWarning, stacklevel=3)
+                self._warned_unused = True
+            for i in missing:
+                w.params[i].grad = torch.zeros_like(w.params[i])
             out.append([p.grad for p in w.params if p.grad is not None])
         return out
 
@@ -110,23 +139,29 @@ class Strategy(ABC):
         """Clip each hosted worker's gradient to ``grad_clip``; returns the norms before clipping."""
         return [clip_gradients(w.params, self.grad_clip) for w in self.workers]
 
-    def clip_and_step(self, lr: float) -> list[float]:
-        """Clip each hosted worker's gradient, take one step of its optimizer at ``lr``, clear the gradients.
+    def set_lr(self, lr: float | None) -> None:
+        """Set every inner optimizer group's learning rate (None: keep what the groups hold)."""
+        if lr is not None:
+            for w in self.workers:
+                for group in w.optimizer.param_groups:
+                    group["lr"] = lr
+
+    def clip_and_step(self) -> list[float]:
+        """Clip each hosted worker's gradient, take one step of its optimizer, clear the gradients.
 
         Returns the gradient norms before clipping."""
         norms = self.clip()
         for w in self.workers:
-            for group in w.optimizer.param_groups:
-                group["lr"] = lr
             w.optimizer.step()
             w.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1
         return norms
 
     @abstractmethod
-    def step(self, lr: float) -> dict[str, float]:
-        """One optimizer step of every hosted worker from its ``.grad`` at learning rate ``lr``, including any
-        communication due at this step; clears the gradients. Returns diagnostics for the metrics log."""
+    def step(self, lr: float | None = None) -> dict[str, float]:
+        """One optimizer step of every hosted worker from its ``.grad``, including any communication due at
+        this step; clears the gradients. ``lr`` sets every inner group's learning rate first (None: the
+        groups' own, e.g. from a scheduler). Returns diagnostics for the metrics log."""
 
     def finish(self) -> dict[str, float]:
         """Bring the workers to one model at the end of training (a final sync if one is pending)."""

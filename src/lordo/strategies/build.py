@@ -25,13 +25,19 @@ from .lordo import LoRDOStrategy
 from .lowrank_ddp import LowRankDDPStrategy
 
 
-def make_adamw(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over parameter groups; weight decay only where the group's rule asks for it."""
+def make_adamw(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over parameter groups; weight decay only where the group's rule asks for it.
+
+    torch's AdamW keeps its moments in the parameters' dtype, where g² underflows for fp16 weights; for a
+    bf16/fp16 model this is ``LowRankQHAdam`` with ``rank=None, omega=1``: AdamW's update with float32
+    moments (tests/test_optim.py checks the equality)."""
     param_groups = [
         {"params": g.params, "weight_decay": o.weight_decay if g.rule.weight_decay else 0.0, "name": g.rule.group}
         for g in groups
     ]
     params = [p for g in groups for p in g.params]
+    if any(p.dtype in (torch.float16, torch.bfloat16) for p in params):
+        return LowRankQHAdam(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=1.0, rank=None)
     # torch's fused kernel (one pass over all tensors) where it exists: on CPU it is ~5x faster than foreach
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
                 for p in params)
@@ -99,7 +105,7 @@ def _local_options(cfg: Config, default_average: str) -> dict:
     s = cfg.strategy
     return dict(
         sync_every=s.sync_every, outer_optimizer=outer_optimizer(s), compress=s.compress,
-        compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip,
+        compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip, sync_buffers=s.sync_buffers,
         average_moments=default_average if s.average_moments == "auto" else s.average_moments,
         moment_periods={"exp_avg": s.sync_exp_avg_every, "exp_avg_sq": s.sync_exp_avg_sq_every},
     )
@@ -109,7 +115,8 @@ Groups = Sequence[Sequence[ParamGroup]]
 
 
 def _ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
-    return DDPStrategy(models, comm, optimizers=[make_adamw(g, cfg.optim) for g in groups], grad_clip=cfg.optim.grad_clip)
+    return DDPStrategy(models, comm, optimizers=[make_adamw(g, cfg.optim) for g in groups], grad_clip=cfg.optim.grad_clip,
+                       sync_buffers=cfg.strategy.sync_buffers)
 
 
 def _local_adam(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
@@ -128,7 +135,7 @@ def _lordo(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communica
 def _lowrank_ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
     opts = [make_lowrank_optimizer(g, cfg.strategy, cfg.optim, omega=1.0) for g in groups]
     return LowRankDDPStrategy(models, comm, optimizers=opts, refresh_every=cfg.strategy.sync_every,
-                              grad_clip=cfg.optim.grad_clip)
+                              grad_clip=cfg.optim.grad_clip, sync_buffers=cfg.strategy.sync_buffers)
 
 
 # strategy.name -> builder; the names and their default learning rates are config.DEFAULT_LR's

@@ -10,10 +10,12 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def step(self, lr: float) -> dict[str, float]:
+    def step(self, lr: float | None = None) -> dict[str, float]:
+        self.set_lr(lr)
         self.comm.all_reduce_mean(self.grads(), tag="gradient")
         # every worker now holds the same averaged gradient, so clipping and the optimizer agree everywhere
-        norms = self.clip_and_step(lr)
+        norms = self.clip_and_step()
+        self.average_buffers()
         return {"grad_norm": norms[0]}
 
     def state_bytes(self) -> dict[str, int]:

@@ -47,8 +47,8 @@ class LocalUpdateStrategy(Strategy):
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[torch.optim.Optimizer],
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
-                 compression_feedback: bool = True, grad_clip: float = 0.5) -> None:
-        super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip)
+                 compression_feedback: bool = True, grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
+        super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
         if average_moments not in AVERAGED:
             raise ConfigError(f"average_moments must be one of {', '.join(AVERAGED)}, got {average_moments!r}")
@@ -86,9 +86,11 @@ class LocalUpdateStrategy(Strategy):
         the outer step."""
         return {}
 
-    def step(self, lr: float) -> dict[str, float]:
+    def step(self, lr: float | None = None) -> dict[str, float]:
+        self.set_lr(lr)
+        self.grads()  # raises if backward was not called
         stats = self.before_local_step()
-        stats["grad_norm"] = self.clip_and_step(lr)[0]
+        stats["grad_norm"] = self.clip_and_step()[0]
         sync_due = self.steps_done % self.sync_every == 0
         self.average_moments(sync_due)
         if sync_due:
@@ -135,6 +137,7 @@ class LocalUpdateStrategy(Strategy):
         for a in self.anchor:
             a.grad = None
         self._restore_from_anchor()
+        self.average_buffers()
         self.syncs += 1
         self.synced_at = self.steps_done
         return stats

@@ -28,10 +28,10 @@ class LowRankDDPStrategy(Strategy):
     name = "lowrank-ddp"
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[LowRankQHAdam],
-                 refresh_every: int, grad_clip: float = 0.5) -> None:
+                 refresh_every: int, grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
         if not all(isinstance(opt, LowRankQHAdam) for opt in optimizers):
             raise ConfigError("lowrank-ddp's optimizers must be lordo.optim.LowRankQHAdam instances")
-        super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip)
+        super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("refresh_every", refresh_every, minimum=1, integer=True)
         self.refresh_every = refresh_every
         self.optimizers: list[LowRankQHAdam] = list(optimizers)
@@ -54,7 +54,8 @@ class LowRankDDPStrategy(Strategy):
             stats["error_feedback_norm"] = ef_ratio
         return stats
 
-    def step(self, lr: float) -> dict[str, float]:
+    def step(self, lr: float | None = None) -> dict[str, float]:
+        self.set_lr(lr)
         self.grads()  # raises if backward was not called
         stats: dict[str, float] = {"grad_norm": self.clip()[0]}
         if self.steps_done % self.refresh_every == 0:
@@ -63,11 +64,10 @@ class LowRankDDPStrategy(Strategy):
         payload = [proj + [grad_of(p) for p in full] for proj, full in zip(projected, self.full_sets)]
         self.comm.all_reduce_mean(payload, tag="projected_gradient")
         for opt, low, proj, full in zip(self.optimizers, self.lowrank_sets, projected, self.full_sets):
-            for group in opt.param_groups:
-                group["lr"] = lr
             opt.apply_lowrank(low, proj)
             opt.apply_full_rank(full)
             opt.zero_grad(set_to_none=True)
+        self.average_buffers()
         self.steps_done += 1
         return stats
 

@@ -240,6 +240,7 @@ ADDED_FIELDS = {
     ("strategy", "error_feedback_after_qh"): "keep",
     ("strategy", "basis_iterations"): 1,
     ("train", "eval_model"): "worker0",
+    ("train", "precision"): "fp32",
 }
 
 

@@ -8,6 +8,7 @@ the evaluation's average and the checkpoint barriers; only the main process writ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -63,6 +64,13 @@ def evaluate(model: torch.nn.Module, batches, device: torch.device) -> float:
         total += float(loss)
     model.train(was_training)
     return total / len(batches)
+
+
+PRECISIONS = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}  # autocast dtypes
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    return ("bf16-mixed" if device.type == "cuda" else "fp32") if name == "auto" else name
 
 
 def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, stream: TextIO | None = None) -> dict:
@@ -145,7 +153,9 @@ class Trainer:
         if self.main:
             out.mkdir(parents=True, exist_ok=True)
         self.data = self._load_data()
-        self.models = [build_model(cfg, self.data.vocab_size).to(device) for _ in comm.local_ranks]
+        self.precision = resolve_precision(t.precision, device)
+        weights = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        self.models = [build_model(cfg, self.data.vocab_size).to(device=device, dtype=weights) for _ in comm.local_ranks]
         # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
         self.optimizer = DistributedOptimizer(self.models, cfg, comm)
         self.forwards = [torch.compile(m) if t.compile else m for m in self.models]
@@ -158,6 +168,8 @@ class Trainer:
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
         self.state = RunState()
+        # fp16 autocast needs loss scaling; the optimizer unscales and skips a step on every worker together
+        self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16-mixed" else None
         self.window = torch.zeros((), device=device)  # this log window's summed loss, read at the log interval
 
     def _load_data(self):
@@ -223,7 +235,12 @@ class Trainer:
             stats = self._skip(step, losses)
         else:
             try:
-                stats = self.optimizer.step(lr)
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer, lr=lr)
+                    self.scaler.update()
+                else:
+                    self.optimizer.step(lr=lr)
+                stats = dict(self.optimizer.last_stats)
                 if step == self.cfg.train.steps:
                     stats.update(self.optimizer.finish())
             except NonFiniteError as exc:
@@ -234,11 +251,18 @@ class Trainer:
         self.state.step = step
         return stats, lr, stop_requested
 
+    def autocast(self):
+        """The forward pass's precision: an autocast context for the mixed precisions, else nothing."""
+        dtype = PRECISIONS.get(self.precision)
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
     def _forward_backward(self, forward, sampler) -> torch.Tensor:
         x, y = sampler.next()
-        _, loss = forward(x.to(self.device), y.to(self.device))
-        loss.backward()  # a non-finite loss gives non-finite gradients: the step is then skipped or stopped
-        return loss.detach()
+        with self.autocast():
+            _, loss = forward(x.to(self.device), y.to(self.device))
+        # a non-finite loss gives non-finite gradients: the step is then skipped or stopped
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return loss.detach().float()
 
     def _skip(self, step: int, losses: torch.Tensor) -> dict[str, float]:
         if self.cfg.train.on_nonfinite == "stop":
@@ -282,7 +306,8 @@ class Trainer:
             model, which = self.spare, "average"
         if not self.main:
             return {}
-        self.state.val_loss = evaluate(model, self.val, self.device)
+        with self.autocast():
+            self.state.val_loss = evaluate(model, self.val, self.device)
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
 
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
@@ -308,6 +333,8 @@ class Trainer:
         self.window.zero_()
         shared = {"strategy": state["shared"], "ledger": state["ledger"], "rng": torch.get_rng_state(),
                   **self.state.to_checkpoint()}
+        if self.scaler is not None:
+            shared["grad_scaler"] = self.scaler.state_dict()
         workers = [{"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
                    for m, smp, ws in zip(self.models, self.samplers, state["workers"])]
         return self.checkpoints.save(step, self.config_dict, shared, workers)
@@ -320,6 +347,8 @@ class Trainer:
         self.optimizer.load_state_dict(
             {"shared": shared["strategy"], "workers": [w["strategy"] for w in workers], "ledger": shared["ledger"]})
         torch.set_rng_state(shared["rng"])
+        if self.scaler is not None and "grad_scaler" in shared:
+            self.scaler.load_state_dict(shared["grad_scaler"])
         self.state = RunState.from_checkpoint(int(meta["step"]), shared)
         self.log(f"resuming from {self.checkpoints.latest_step_name()} at step {self.state.step}")
 

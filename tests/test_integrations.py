@@ -1,0 +1,80 @@
+"""lordo's optimizer inside other people's trainers: Hugging Face ``Trainer`` (with its checkpoint resume) and
+Lightning's automatic optimization."""
+
+import pytest
+import torch
+from torch import nn
+
+import lordo
+
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (the hf extra)")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def hf_run(out, steps, resume=None):
+    model = tiny_llama()
+    opt = lordo.distributed(model, "lordo", lr=5e-3, rank=4, sync_every=3, backend="sim")
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_strategy="steps", save_steps=3,
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0,  # lordo clips itself
+        disable_tqdm=True, dataloader_num_workers=0, save_only_model=False)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), optimizers=(opt, schedule))
+    trainer.train(resume_from_checkpoint=resume)
+    return model, opt, trainer
+
+
+def test_hf_trainer_trains_with_lordo_and_resumes_exactly(tmp_path):
+    full, full_opt, trainer = hf_run(tmp_path / "full", 6)
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 6 and full_opt.steps_done == 6 and losses[-1] < losses[0]
+    resumed, resumed_opt, _ = hf_run(tmp_path / "full", 6, resume=str(tmp_path / "full" / "checkpoint-3"))
+    assert resumed_opt.steps_done == 6
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lightning_automatic_optimization_counts_steps_and_trains(tmp_path):
+    pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 16, bias=False), nn.GELU(), nn.Linear(16, 40))
+            self.losses = []
+
+        def training_step(self, batch, _):
+            (tokens,) = batch
+            loss = nn.functional.cross_entropy(self.net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            self.opt = lordo.distributed(self, "lordo", lr=1e-2, rank=4, sync_every=4, backend="sim")
+            return self.opt
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 40, (8, 9)).repeat(16, 1)  # one batch, over and over: learnable
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
+    module = Module()
+    trainer = pl.Trainer(max_steps=10, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, data)
+    assert trainer.global_step == 10 and module.opt.steps_done == 10
+    assert module.losses[-1] < module.losses[0] - 0.3

@@ -1,0 +1,190 @@
+"""DistributedOptimizer as a torch.optim.Optimizer: schedulers, per-group settings, GradScaler, closures,
+Hugging Face Trainer and Lightning. References are torch's own AdamW (``ddp`` on one worker with no clipping
+is AdamW exactly) and the uninterrupted run."""
+
+import pytest
+import torch
+from torch import nn
+
+import lordo
+
+
+def tiny_lm(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(40, 12), nn.Linear(12, 12, bias=False), nn.GELU(), nn.Linear(12, 40, bias=False))
+
+
+def loss_of(model: nn.Module, step: int, rank: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    tokens = torch.randint(0, 40, (6, 7), generator=g)
+    return nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+SCHEDULERS = {
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: (s + 1) / 4 if s < 4 else 0.5 ** (s - 3)),
+    "MultiplicativeLR": lambda o: torch.optim.lr_scheduler.MultiplicativeLR(o, lambda s: 0.8),
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.3),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2, 5], gamma=0.2),
+    "ConstantLR": lambda o: torch.optim.lr_scheduler.ConstantLR(o, factor=0.25, total_iters=4),
+    "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=6),
+    "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.7),
+    "PolynomialLR": lambda o: torch.optim.lr_scheduler.PolynomialLR(o, total_iters=8, power=2.0),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8),
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    "CyclicLR": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=2e-2, step_size_up=3),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=10),  # cycles betas too
+    "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o, [torch.optim.lr_scheduler.LinearLR(o, 0.2, total_iters=3), torch.optim.lr_scheduler.ExponentialLR(o, 0.8)],
+        milestones=[3]),
+}
+
+
+@pytest.mark.parametrize("family", list(SCHEDULERS) + ["ReduceLROnPlateau"])
+def test_every_torch_scheduler_family_sets_the_lr_the_step_uses(family):
+    ours_model, ref_model = tiny_lm(), tiny_lm()
+    opt = lordo.distributed(ours_model, "ddp", lr=1e-2, grad_clip=0.0, weight_decay=0.1, backend="sim")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    if family == "ReduceLROnPlateau":
+        scheds = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0) for o in (opt, ref)]
+    else:
+        scheds = [SCHEDULERS[family](o) for o in (opt, ref)]
+    lrs = []
+    for step in range(10):
+        for model, o, sched in zip((ours_model, ref_model), (opt, ref), scheds):
+            loss = loss_of(model, step)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            sched.step(1.0) if family == "ReduceLROnPlateau" else sched.step()  # a flat metric: lr halves
+        lrs.append(opt.param_groups[0]["lr"])
+        for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), f"{family}: step {step}"
+    assert len(set(lrs)) >= 2  # the schedule did change the learning rate
+
+
+def test_per_group_learning_rate_and_weight_decay_are_the_groups_own():
+    ours_model, ref_model = tiny_lm(), tiny_lm()
+    opt = lordo.distributed(ours_model, "ddp", lr=1e-2, grad_clip=0.0, backend="sim")
+    assert [g["name"] for g in opt.param_groups] == ["block_matrix", "embedding"]
+    opt.param_groups[0].update(lr=3e-2, weight_decay=0.0)
+    opt.param_groups[1].update(lr=2e-3, weight_decay=0.5)
+    by_id = dict(zip(map(id, ours_model.parameters()), ref_model.parameters()))
+    ref = torch.optim.AdamW([{"params": [by_id[id(p)] for p in opt.param_groups[0]["params"]], "lr": 3e-2, "weight_decay": 0.0},
+                             {"params": [by_id[id(p)] for p in opt.param_groups[1]["params"]], "lr": 2e-3, "weight_decay": 0.5}],
+                            fused=True)
+    for step in range(5):
+        for model, o in ((ours_model, opt), (ref_model, ref)):
+            loss_of(model, step).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_steps_like_torch_adamw_and_all_workers_skip_an_inf_together():
+    ours_model, ref_model = tiny_lm(), tiny_lm()
+    opt = lordo.distributed(ours_model, "ddp", lr=1e-2, grad_clip=0.0, backend="sim")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
+    for step in range(4):
+        for model, o, scaler in zip((ours_model, ref_model), (opt, ref), scalers):
+            scaler.scale(loss_of(model, step)).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+    for a, b in zip(ours_model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+    models = [tiny_lm(), tiny_lm()]
+    opt = lordo.distributed(models, "lordo", rank=4, sync_every=2, backend="sim")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for rank, m in enumerate(models):
+        scaler.scale(loss_of(m, 0, rank)).backward()
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    next(models[1].parameters()).grad[0, 0] = float("inf")  # one worker overflowed
+    scaler.step(opt)
+    scaler.update()
+    assert opt.last_stats == {"amp_skipped": 1.0} and opt.steps_done == 0 and scaler.get_scale() == 2.0**11
+    for m, saved in zip(models, before):
+        assert all(torch.equal(p, s) and p.grad is None for p, s in zip(m.parameters(), saved))
+
+
+def test_step_takes_a_closure_and_returns_its_loss():
+    model = tiny_lm()
+    opt = lordo.distributed(model, "lordo", rank=4, sync_every=2, backend="sim")
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_of(model, 0)
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert isinstance(first, torch.Tensor) and opt.steps_done == 1
+    for _ in range(5):
+        last = opt.step(closure)
+    assert last.item() < first.item()
+
+
+def test_a_distributed_optimizer_state_dict_loads_with_weights_only(tmp_path):
+    model = tiny_lm()
+    opt = lordo.distributed(model, "lordo", rank=4, sync_every=3, backend="sim")
+    for step in range(4):
+        loss_of(model, step).backward()
+        opt.step()
+    opt.param_groups[0]["lr"] = 1.5e-3
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    model2 = tiny_lm()
+    model2.load_state_dict(model.state_dict())
+    opt2 = lordo.distributed(model2, "lordo", rank=4, sync_every=3, backend="sim")
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert opt2.param_groups[0]["lr"] == 1.5e-3 and opt2.steps_done == 4
+    for step in range(4, 7):
+        for m, o in ((model, opt), (model2, opt2)):
+            loss_of(m, step).backward()
+            o.step()
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_parameters_cannot_be_added_later():
+    opt = lordo.distributed(tiny_lm(), "lordo", rank=4, backend="sim")
+    with pytest.raises(lordo.ConfigError, match="cannot be added later"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+
+
+def test_an_unused_parameter_gets_a_zero_gradient_with_a_warning():
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head, self.unused = nn.Embedding(40, 12), nn.Linear(12, 40, bias=False), nn.Linear(12, 12)
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens))
+
+    model = WithUnused()
+    opt = lordo.distributed(model, "ddp", backend="sim")
+    tokens = torch.randint(0, 40, (2, 5))
+    nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    with pytest.warns(RuntimeWarning, match=r"without a gradient \(unused in forward\?\): unused.weight, unused.bias"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="call loss.backward"):
+        opt.step()  # nothing has a gradient now
+
+
+def test_batchnorm_statistics_are_averaged_at_each_synchronisation():
+    models = [nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opt = lordo.distributed(models, "local-adam", sync_every=2, backend="sim")
+    for step in range(2):
+        for rank, m in enumerate(models):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x = torch.randn(8, 4, generator=g) * (rank + 1)  # the workers see different statistics
+            m(x).pow(2).mean().backward()
+        if step == 0:
+            stats = [m[1].running_var.clone() for m in models]
+        opt.step()
+    assert not torch.allclose(stats[0], stats[1])
+    assert torch.equal(models[0][1].running_mean, models[1][1].running_mean)
+    assert torch.equal(models[0][1].running_var, models[1][1].running_var)
+    assert opt.ledger.table()["all_reduce:buffers"]["calls"] == 1
