@@ -17,6 +17,7 @@ import torch
 
 import lordo.train.checkpoint as ckpt_module
 from lordo.cli import main
+from lordo.comm import SimCommunicator
 from lordo.config import build_config
 from lordo.errors import ConfigError, NonFiniteError
 from lordo.train.checkpoint import Checkpointer, CheckpointError, _load_tensor_file
@@ -165,7 +166,7 @@ def test_corrupt_or_truncated_newest_checkpoint_falls_back_to_the_previous(data_
         assert summary["resumed_from_step"] == 10
         assert_same_model(tmp_path / "full", run)
         # the earlier checkpoint was only read: still intact
-        Checkpointer(run, type("C", (), {"local_ranks": [0, 1]})(), 2).load_latest()
+        Checkpointer(run, SimCommunicator(2), 2).load_latest()
 
 
 def test_every_checkpoint_damaged_is_a_clear_error(data_dir, tmp_path):
@@ -209,7 +210,7 @@ def test_nan_loss_stops_naming_the_step_and_the_last_checkpoint(data_dir, tmp_pa
     nan_at(monkeypatch, call=2 * 7 + 2)  # step 8, worker 1
     with pytest.raises(NonFiniteError, match=r"loss is not finite at step 8 .*last good checkpoint: .*step-00000005"):
         quiet_train(cfg_for(data_dir, "local-adam"), tmp_path)
-    Checkpointer(tmp_path, type("C", (), {"local_ranks": [0, 1]})(), 2).load_latest()
+    Checkpointer(tmp_path, SimCommunicator(2), 2).load_latest()
 
 
 def test_nan_loss_can_be_skipped(data_dir, tmp_path, monkeypatch):
@@ -247,7 +248,8 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path
 
     monkeypatch.setattr(ckpt_module, "atomic_write", failing)
     with pytest.raises(CheckpointError, match=r"could not save the checkpoint of step 10 .*No space left on device; "
-                                              r"the previous checkpoint .*step-00000005 is intact"):
+                                              r"nothing was committed or pruned, the previous checkpoint .*step-00000005 "
+                                              r"is intact"):
         quiet_train(cfg_for(data_dir, "lordo"), tmp_path)
     assert [d.name for d in (tmp_path / "checkpoints").iterdir()] == ["step-00000005"]
     monkeypatch.setattr(ckpt_module, "atomic_write", original)

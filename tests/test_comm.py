@@ -25,9 +25,9 @@ def test_sim_all_reduce_mean_and_broadcast_are_exact():
     per_worker = [[torch.full((3,), float(r))] for r in range(3)]
     comm.broadcast(per_worker, tag="y", src=2)
     assert all(torch.equal(t[0], torch.full((3,), 2.0)) for t in per_worker)
-    assert comm.ledger.table() == {
-        "all_reduce:x": {"calls": 1, "bytes": 4 * 4 + 4, "tensors": 2},
-        "broadcast:y": {"calls": 1, "bytes": 12, "tensors": 1},
+    assert comm.ledger.table() == {  # wire: ring all-reduce 2(M-1)/M of 20 bytes; worker 0 is a leaf of the
+        "all_reduce:x": {"calls": 1, "bytes": 4 * 4 + 4, "tensors": 2, "wire": 26},  # tree rooted at worker 2
+        "broadcast:y": {"calls": 1, "bytes": 12, "tensors": 1, "wire": 0},
     }
 
 
@@ -37,7 +37,8 @@ def test_ledger_wall_clock_model_by_hand():
     ledger.record("all_reduce", "g", 1_000_000, 1)
     ledger.record("broadcast", "init", 500_000, 1)
     bw = 1e9  # bits/s = 125 MB/s
-    expected = 2 * (1e-3 + 2 * 3 / 4 * 1e6 / 125e6) + (1e-3 + 5e5 / 125e6)
+    # a ring all-reduce sends 2(M-1)/M of the payload; the broadcast's root sends to log2(4) = 2 children
+    expected = 2 * (1e-3 + 2 * 3 / 4 * 1e6 / 125e6) + (1e-3 + 2 * 5e5 / 125e6)
     assert ledger.modeled_comm_s(bw, 1e-3) == pytest.approx(expected)
     assert Ledger(world_size=1).modeled_comm_s(bw, 1e-3) == 0.0
 
@@ -174,13 +175,13 @@ def test_ledger_bytes_equal_the_analytic_payload():
     n = sum(p.numel() for p in tiny_model().parameters())
     k = len(list(tiny_model().parameters()))  # 7 block matrices, 1 embedding, 3 norms
     _, ledger = run_strategy(SimCommunicator(2), strategy_config("ddp"), steps=7)
-    assert ledger == {"all_reduce:gradient": {"calls": 7, "bytes": 7 * 4 * n, "tensors": 7 * k}}
+    assert ledger == {"all_reduce:gradient": {"calls": 7, "bytes": 7 * 4 * n, "tensors": 7 * k, "wire": 7 * 4 * n}}
     cfg = strategy_config("local-adam", ["strategy.sync_every=3", "strategy.average_moments=all",
                                          "strategy.sync_exp_avg_every=6"])
     _, ledger = run_strategy(SimCommunicator(2), cfg, steps=7)
-    assert ledger["all_reduce:pseudo_gradient"] == {"calls": 3, "bytes": 3 * 4 * n, "tensors": 3 * k}
-    assert ledger["all_reduce:exp_avg"] == {"calls": 1, "bytes": 4 * n, "tensors": k}  # step 6
-    assert ledger["all_reduce:exp_avg_sq"] == {"calls": 2, "bytes": 2 * 4 * n, "tensors": 2 * k}  # syncs at 3, 6
+    assert ledger["all_reduce:pseudo_gradient"] == {"calls": 3, "bytes": 3 * 4 * n, "tensors": 3 * k, "wire": 3 * 4 * n}
+    assert ledger["all_reduce:exp_avg"] == {"calls": 1, "bytes": 4 * n, "tensors": k, "wire": 4 * n}  # step 6
+    assert ledger["all_reduce:exp_avg_sq"] == {"calls": 2, "bytes": 2 * 4 * n, "tensors": 2 * k, "wire": 2 * 4 * n}
     _, ledger = run_strategy(SimCommunicator(2), strategy_config("local-adam", ["strategy.sync_every=3"]), steps=7)
     assert set(ledger) == {"all_reduce:pseudo_gradient"}  # moments stay local by default
 

@@ -151,7 +151,8 @@ def test_ledger_of_lordo_and_lowrank_ddp_by_hand():
     low_moment = sum(max(s) * r for s in low)  # one moment: p×r (right) or r×q (left), the big side times r
     _, ledger = run_strategy(SimCommunicator(2), strategy_config("lordo", LOWRANK), steps=7)
     assert ledger["all_reduce:initial_basis_gradient"]["bytes"] == 4 * n_low
-    assert ledger["all_reduce:pseudo_gradient"] == {"calls": 3, "bytes": 3 * 4 * n_all, "tensors": 3 * 11}
+    assert ledger["all_reduce:pseudo_gradient"] == {"calls": 3, "bytes": 3 * 4 * n_all, "tensors": 3 * 11,
+                                                    "wire": 3 * 4 * n_all}  # 2 workers: 2(M-1)/M = 1
     # low-rank moments averaged at the two syncs on the K-grid (the final sync at step 7 does not)
     assert ledger["all_reduce:exp_avg"]["bytes"] == 2 * 4 * low_moment
     assert ledger["all_reduce:exp_avg_sq"]["bytes"] == 2 * 4 * low_moment
@@ -159,7 +160,8 @@ def test_ledger_of_lordo_and_lowrank_ddp_by_hand():
     _, ledger = run_strategy(SimCommunicator(2), strategy_config("lowrank-ddp", LOWRANK), steps=7)
     n_full = n_all - n_low
     assert ledger["all_reduce:projected_gradient"]["bytes"] == 7 * 4 * (low_moment + n_full)
-    assert ledger["all_reduce:basis_gradient"] == {"calls": 3, "bytes": 3 * 4 * n_low, "tensors": 3 * 7}  # steps 1, 4, 7
+    assert ledger["all_reduce:basis_gradient"] == {"calls": 3, "bytes": 3 * 4 * n_low, "tensors": 3 * 7,
+                                                   "wire": 3 * 4 * n_low}  # steps 1, 4, 7
 
     _, ledger = run_strategy(SimCommunicator(2), strategy_config("lordo-local", LOWRANK), steps=7)
     assert set(ledger) == {"all_reduce:pseudo_gradient"}  # local bases, local moments
@@ -244,7 +246,7 @@ def test_keyword_arguments_are_checked():
     opts = [torch.optim.AdamW(models[0].parameters())]
     with pytest.raises(ConfigError, match="sync_every must be an integer >= 1, got 0"):
         LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=0)
-    with pytest.raises(ConfigError, match="compress must be one of none, bf16, int8, got 'fp4'"):
+    with pytest.raises(ConfigError, match="compress must be one of none, bf16, int8, int4, got 'fp4'"):
         LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=2, compress="fp4")
     partial = [torch.optim.AdamW(list(models[0].parameters())[1:])]
     with pytest.raises(ConfigError, match="does not hold the trainable parameter.*tok_emb.weight"):

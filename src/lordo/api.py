@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator, Ledger, make_communicator
+from .comm.ledger import wire_bytes
 from .config import Config, OptimConfig, StrategyConfig, build_config
 from .errors import ConfigError
 from .model.params import ParamGroup, group_by_module, group_parameters
@@ -194,19 +195,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return report
 
     def comm_report(self) -> dict[str, Any]:
-        """Bytes sent per worker so far, and against DDP (the full gradient every step, same initial broadcast)."""
-        steps = self.strategy.steps_done
-        init = self.ledger.entries.get("broadcast:init")
-        ddp = steps * self.strategy.step_payload_bytes() + (init.bytes if init else 0) if self.comm.world_size > 1 else 0
-        total = self.ledger.total_bytes
+        """Bytes per worker so far, against what DDP would have needed for the same steps (the full gradient
+        all-reduced every step, plus the same initial broadcast). ``wire_*`` are the bytes a worker sends
+        under each collective's algorithm (a ring all-reduce of S bytes sends 2(M−1)/M·S); ``bytes_*`` the
+        payload it hands to the collectives. ``ratio_to_ddp`` compares wire bytes."""
+        steps, ledger, world = self.strategy.steps_done, self.ledger, self.comm.world_size
+        init = ledger.entries.get("broadcast:init")
+        grad = self.strategy.step_payload_bytes()
+        ddp = steps * grad + (init.bytes if init else 0) if world > 1 else 0
+        ddp_wire = steps * wire_bytes("all_reduce", grad, world) + (init.wire if init else 0) if world > 1 else 0
+        total, wire = ledger.total_bytes, ledger.total_wire_bytes
         return {
             "steps": steps,
             "bytes_total": total,
             "bytes_per_step": total / steps if steps else 0.0,
-            "calls": self.ledger.total_calls,
+            "wire_bytes_total": wire,
+            "wire_bytes_per_step": wire / steps if steps else 0.0,
+            "calls": ledger.total_calls,
             "ddp_bytes": ddp,
-            "ratio_to_ddp": total / ddp if ddp else None,
-            "by_collective": self.ledger.table(),
+            "ddp_wire_bytes": ddp_wire,
+            "ratio_to_ddp": wire / ddp_wire if ddp_wire else None,
+            "payload_ratio_to_ddp": total / ddp if ddp else None,
+            "by_collective": ledger.table(),
         }
 
     @property
@@ -251,8 +261,8 @@ def distributed(
     """Wrap ``model`` (this process's replica) in a distributed optimizer.
 
     ``strategy``: one of ``ddp``, ``local-adam``, ``lordo``, ``lordo-global-noqh``, ``lordo-local``,
-    ``lowrank-ddp``. ``lr``: the learning rate used when :meth:`DistributedOptimizer.step` is called without
-    one; default: the strategy's (3e-3 for ddp and local-adam, 6e-3 for the low-rank strategies: tuned on
+    ``lowrank-ddp``. ``lr``: every parameter group's initial learning rate (a torch LR scheduler or
+    ``step(lr=...)`` changes it); default: the strategy's (3e-3 for ddp and local-adam, 6e-3 for the low-rank strategies: tuned on
     a 1.4M-parameter model; tune it for yours). ``options``: any ``strategy.*`` key (``rank``, ``sync_every``, ``omega``,
     ``error_feedback``, ``basis_method``, ``average_moments``, ``outer_lr``, ``lowrank_pattern``, ...) or
     ``optim.*`` key (``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``grad_clip``), with the defaults and

@@ -387,6 +387,52 @@ def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size:
     return {"preset": preset, "steps": steps, "rank": rank, "workers": workers, "batch_size": batch_size, "rows": rows}
 
 
+WIRE_CASES = (("ddp", "none"), ("lowrank-ddp", "none"), ("local-adam", "none"), ("lordo", "none"), ("lordo", "bf16"),
+              ("lordo", "int8"), ("lordo", "int4"))
+PER_STEP_TAGS = ("gradient", "projected_gradient")  # sent every step; everything else once per sync period
+
+
+def wire_benchmark(preset: str, rank: int, worlds: tuple[int, ...], sync_every: int = 32) -> dict[str, Any]:
+    """Steady-state bytes per step and worker of every strategy (and LoRDO's compressions) on the simulator:
+    one whole synchronisation period is run at K = 2 on ``preset``'s shapes with random tokens, its
+    per-collective wire and payload bytes are taken from the ledger, and what is sent once a period is spread
+    over ``sync_every`` steps. DDP's all-reduce of every gradient is the reference."""
+    from .api import DistributedOptimizer
+    from .comm import SimCommunicator
+    from .train.loop import build_model
+
+    rows = []
+    for world in worlds:
+        ddp_wire = None
+        for name, compress in WIRE_CASES:
+            cfg = build_config(overrides=[f'model.preset="{preset}"', f'strategy.name="{name}"', f"strategy.rank={rank}",
+                                          "strategy.sync_every=2", f'strategy.compress="{compress}"', f"dist.workers={world}"])
+            models = [build_model(cfg, 4096) for _ in range(world)]
+            opt = DistributedOptimizer(models, cfg, SimCommunicator(world))
+            gen = torch.Generator().manual_seed(0)
+            before: dict[str, dict[str, int]] = {}
+            for step in range(4):
+                if step == 2:
+                    before = opt.ledger.table()
+                for m in models:
+                    tokens = torch.randint(0, 4096, (2, cfg.model.seq_len + 1), generator=gen)
+                    m(tokens[:, :-1], tokens[:, 1:])[1].backward()
+                opt.step()
+            per_step = {"wire": 0.0, "bytes": 0.0}
+            for key, e in opt.ledger.table().items():
+                tag = key.split(":")[1]
+                period = 2 if tag in PER_STEP_TAGS else sync_every  # steps these bytes are spread over
+                for field in per_step:
+                    per_step[field] += (e[field] - before.get(key, {}).get(field, 0)) / period
+            if name == "ddp":
+                ddp_wire = per_step["wire"]
+            assert ddp_wire is not None
+            rows.append({"workers": world, "name": name if compress == "none" else f"{name}, {compress}",
+                         "wire_per_step": per_step["wire"], "payload_per_step": per_step["bytes"],
+                         "less_than_ddp": ddp_wire / per_step["wire"]})
+    return {"machine": machine(), "preset": preset, "rank": rank, "sync_every": sync_every, "rows": rows}
+
+
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lordo bench", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True, metavar="BENCH")
@@ -405,6 +451,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--iters", type=int, default=1, help="subspace iterations (the optimizer uses 1)")
     b.add_argument("--rounds", type=int, default=20)
     b.add_argument("--device", default="cpu", help="where the bases are computed (the run that supplies them trains on the CPU)")
+    w = sub.add_parser("wire", help="steady-state bytes sent per step of every strategy and compression, against ddp")
+    w.add_argument("--preset", default="micro")
+    w.add_argument("--rank", type=int, default=16)
+    w.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro")
     r.add_argument("--steps", type=int, default=64)
@@ -414,7 +464,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--strategies", default=",".join(STRATEGIES))
     r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    for q in (s, b, r):
+    for q in (s, b, w, r):
         q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
         q.add_argument("--data-dir", default="data")
     return ap
@@ -439,6 +489,16 @@ def main(argv: list[str]) -> int:
         res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
         suffix = "" if device.type == "cpu" else f"-{device.type}"
         write_json(out or Path(f"benchmarks/results/basis-{args.preset}{suffix}.json"), res)
+    elif args.what == "wire":
+        worlds = tuple(int(x) for x in args.workers.split(",") if x)
+        if not worlds or min(worlds) < 2:
+            raise ConfigError(f"--workers must list worker counts >= 2, got {args.workers!r}")
+        res = wire_benchmark(args.preset, args.rank, worlds)
+        print_table(f"steady-state bytes sent per step and worker ({args.preset}, r = {args.rank}, K = 32; simulator, "
+                    "wire model of gloo's collectives)", res["rows"],
+                    [("workers", "M", "d"), ("name", "strategy", "s"), ("wire_per_step", "sent B/step", ",.0f"),
+                     ("payload_per_step", "payload B/step", ",.0f"), ("less_than_ddp", "× less than ddp", ".1f")])
+        write_json(out or Path(f"benchmarks/results/wire-{args.preset}.json"), res)
     else:
         import tempfile
 

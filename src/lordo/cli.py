@@ -39,33 +39,55 @@ def _train(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={json.dumps(flag) if quote else flag}")
     tree = None
     if args.resume:
-        saved = Path(args.resume) / "config.json"
-        try:
-            tree = {k: v for k, v in json.loads(saved.read_text()).items() if k != "derived"}
-        except FileNotFoundError:
-            raise ConfigError(f"--resume {args.resume}: no config.json there; is it the output folder of a run?") from None
-        except (json.JSONDecodeError, AttributeError) as exc:
-            raise ConfigError(f"--resume {args.resume}: {saved} is not a valid config ({exc})") from None
+        tree = _resumed_config(Path(args.resume))
         if args.out and Path(args.out) != Path(args.resume):
             raise ConfigError("--resume DIR continues the run in DIR; leave out --out (or give the same folder)")
         args.out = args.resume
     cfg = build_config(args.config, overrides, tree=tree)
+    out: Path | None
     if args.out:
         out = Path(args.out)
+    elif launched_by_torchrun() and not os.environ.get("LORDO_LAUNCHED"):
+        out = None  # under torchrun the main process names the folder for every process
     else:
         stamp = os.environ.get("LORDO_RUN_STAMP") or time.strftime("%Y%m%d-%H%M%S")
         os.environ["LORDO_RUN_STAMP"] = stamp  # launched workers agree on the folder name
         out = Path("runs") / f"{cfg.model.preset}-{cfg.strategy.name}-{stamp}"
     if cfg.dist.backend in ("gloo", "nccl") and not launched_by_torchrun():
+        assert out is not None
         print(f"starting {cfg.dist.workers} {cfg.dist.backend} worker processes", file=sys.stderr)
-        launch_local(worker_command(args.argv), cfg.dist.workers)
+        launch_local(worker_command(args.argv), cfg.dist.workers, out=str(out))
         summary = json.loads((out / "summary.json").read_text())
     else:
         summary = train(cfg, out)
         if os.environ.get("RANK", "0") != "0" or os.environ.get("LORDO_LAUNCHED"):
             return 0  # one summary per job: rank 0 under torchrun, the launcher under `lordo train`
-    _print_summary(summary, out)
+    _print_summary(summary, Path(summary["out_dir"]))
     return 0
+
+
+def _resumed_config(folder: Path) -> dict:
+    """The settings of the run in ``folder``: its config.json, or (when that is missing or damaged) the one
+    its newest checkpoint holds. A folder without a complete checkpoint has nothing to resume."""
+    from .errors import ConfigError
+    from .train.checkpoint import Checkpointer, CheckpointError
+
+    if not folder.is_dir():
+        raise ConfigError(f"--resume {folder}: no such folder")
+    checkpoints = Checkpointer(folder, None, keep=1)
+    if not checkpoints.has_checkpoint():
+        raise ConfigError(f"--resume {folder}: it holds no complete checkpoint, so there is nothing to resume; start the "
+                          f"run again with: lordo train --config {folder / 'config.json'} --out {folder}")
+    try:
+        saved = json.loads((folder / "config.json").read_text())
+        if not isinstance(saved, dict) or not saved:
+            raise ValueError("empty")
+    except (OSError, ValueError):  # written before the first step; a crash can leave it empty
+        try:
+            saved = Checkpointer.read_meta(checkpoints.complete_dirs()[-1])["config"]
+        except CheckpointError as exc:
+            raise ConfigError(f"--resume {folder}: config.json is missing or damaged and {exc}") from None
+    return {k: v for k, v in saved.items() if k != "derived"}
 
 
 def _print_summary(s: dict, out: Path) -> None:
@@ -77,8 +99,8 @@ def _print_summary(s: dict, out: Path) -> None:
     if s["workers"] > 1:
         walls = ", ".join(f"{k.replace('gbit', ' Gbit/s')}: {v:.0f}s" for k, v in s["modeled_wall_s"].items())
         lines.append(
-            f"communication: {s['comm_bytes_total'] / 2**20:,.1f} MiB per worker in {s['comm_calls']} collectives, "
-            f"{s['comm_ratio_to_ddp']:.3f}x of what ddp sends ({1 / s['comm_ratio_to_ddp']:.1f}x less); "
+            f"communication: {s['comm_wire_bytes_total'] / 2**20:,.1f} MiB sent per worker in {s['comm_calls']} "
+            f"collectives, {s['comm_ratio_to_ddp']:.3f}x of what ddp sends ({1 / s['comm_ratio_to_ddp']:.1f}x less); "
             f"modelled wall-clock {walls}"
         )
     lines.append(f"outputs: {out}/config.json, metrics.jsonl, summary.json")

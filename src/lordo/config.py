@@ -144,7 +144,8 @@ class TrainConfig(_Section):
     _name = "train"
     steps: int = _f(600, "optimizer steps", _positive)
     batch_size: int = _f(16, "sequences per step (per worker)", _positive)
-    seed: int = _f(0, "seed of the model init and the batch sampler", _non_negative)
+    seed: int = _f(0, "seed of the model init and the batch sampler",
+                   lambda v: None if 0 <= v < 2**63 else "must be in [0, 2**63)")
     eval_every: int = _f(100, "evaluate the validation loss every N steps (and at the end)", _positive)
     eval_batches: int = _f(16, "fixed validation batches per evaluation", _positive)
     eval_model: str = _f("average", "which model an evaluation between synchronisations scores: average (the mean "
@@ -165,6 +166,8 @@ class TrainConfig(_Section):
     log: str = _f("jsonl", "where metrics go: jsonl (OUT/metrics.jsonl, always written) or tensorboard (also "
                   "TensorBoard event files in OUT/tensorboard; needs pip install 'lordo[tb]')",
                   _choice("jsonl", "tensorboard"))
+    max_consecutive_skips: int = _f(20, "with on_nonfinite = skip: stop after this many skipped steps in a row (a "
+                                    "diverged model skips every step)", _positive)
     on_nonfinite: str = _f("stop", "a NaN/inf loss on any worker: stop (naming the last good checkpoint) or skip "
                            "the step on every worker", _choice("stop", "skip"))
 
@@ -208,9 +211,10 @@ class StrategyConfig(_Section):
                                       _choice("keep", "remove"))
     basis_iterations: int = _f(1, "subspace-iteration steps per basis refresh (basis_method = subspace)", _positive)
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
-                       "(pseudo-gradient and moments all-reduced in bfloat16) or int8 (pseudo-gradient quantised per "
-                       "row to int8 and all-gathered; averaged moments in int8 too, second moments in the log domain)",
-                       _choice("none", "bf16", "int8"))
+                       "(pseudo-gradient and moments all-reduced in bfloat16), int8 or int4 (pseudo-gradient quantised in "
+                       "blocks of 256 / 128 elements with a float32 scale each and averaged by a quantised reduce-scatter "
+                       "and all-gather; averaged moments in int8, second moments in the log domain)",
+                       _choice("none", "bf16", "int8", "int4"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "

@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
-from .errors import LordoError
+from .errors import LordoError, Stopped
 
 
 class WorkerFailed(LordoError):
@@ -23,9 +24,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s: float = 10.0) -> None:
+def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s: float = 10.0,
+                 out: str | None = None) -> None:
     """Run ``command`` as ``workers`` processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT). Returns when all exit 0; if one fails, stops the rest and raises."""
+    MASTER_ADDR, MASTER_PORT). Returns when all exit 0; if one fails, stops the rest and raises.
+
+    SIGTERM and SIGINT sent to this launcher go to every worker (they run in their own session, so a
+    terminal's Ctrl-C reaches them once, through here); the workers finish their step, save a checkpoint
+    and exit, and the launcher then raises :class:`Stopped` with the signal's exit status."""
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs = []
@@ -41,22 +47,42 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
             LORDO_LAUNCHED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))  # M processes share the cores
-        procs.append(subprocess.Popen(command, env=env))
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                _stop(procs, grace_s)
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                raise WorkerFailed(f"worker {rank} of {workers} {how}; the other workers were stopped")
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        _stop(procs, grace_s)
-        raise
+        _wait(procs, workers, received, poll_s, grace_s, out)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(procs: list[subprocess.Popen], workers: int, received: list[int], poll_s: float, grace_s: float,
+          out: str | None) -> None:
+    while True:
+        codes = [p.poll() for p in procs]
+        if received and all(c is not None for c in codes):  # every worker stopped after the signal
+            name = signal.Signals(received[0]).name
+            where = f"lordo train --resume {out}" if out else "lordo train --resume OUT"
+            raise Stopped(f"stopped by {name}: the workers saved a checkpoint; continue with: {where}", 128 + received[0])
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed and not received:
+            rank, code = failed[0]
+            _stop(procs, grace_s)
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise WorkerFailed(f"worker {rank} of {workers} {how}; the other workers were stopped")
+        if all(c == 0 for c in codes):
+            return
+        time.sleep(poll_s)
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .ledger import Ledger
+from .ledger import Ledger, broadcast_children
 
 TensorLists = Sequence[Sequence[torch.Tensor]]
 
@@ -29,7 +29,7 @@ class Communicator(ABC):
     def __init__(self, world_size: int, local_ranks: list[int]) -> None:
         self.world_size = world_size
         self.local_ranks = local_ranks
-        self.ledger = Ledger(world_size)
+        self.ledger = Ledger(world_size, rank=local_ranks[0])  # the simulator's ledger speaks for worker 0
 
     @property
     def is_main(self) -> bool:
@@ -70,7 +70,9 @@ class Communicator(ABC):
             return
         t0 = time.perf_counter()
         self._broadcast(per_worker, src)
-        self.ledger.record("broadcast", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+        size = payload_bytes(first)
+        self.ledger.record("broadcast", tag, size, len(first), time.perf_counter() - t0,
+                           wire=broadcast_children(self.ledger.rank, self.world_size, root=src) * size)
 
     def all_gather(self, per_worker: TensorLists, tag: str) -> list[list[list[torch.Tensor]]]:
         """Every worker's tensors, delivered to every worker: ``result[h][m]`` is worker m's list, for each
@@ -83,6 +85,25 @@ class Communicator(ABC):
         out = self._all_gather(per_worker)
         self.ledger.record("all_gather", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
         return out
+
+    def all_to_all(self, per_worker: TensorLists, tag: str) -> list[list[torch.Tensor]]:
+        """Worker w's chunk j goes to worker j: each hosted worker passes M chunks of one shape and dtype (one
+        per destination) and gets, per hosted worker, the M chunks sent to it (from workers 0 … M−1). The
+        ledger counts all M chunks as the payload and the M − 1 sent away as wire bytes."""
+        first = self._check(per_worker)
+        if len(first) != self.world_size or any(t.shape != first[0].shape or t.dtype != first[0].dtype for t in first):
+            raise ValueError(f"all_to_all takes {self.world_size} chunks of one shape and dtype per worker")
+        if self.world_size == 1:
+            return [list(chunks) for chunks in per_worker]
+        t0 = time.perf_counter()
+        out = self._all_to_all(per_worker)
+        size = payload_bytes(first[:1])
+        self.ledger.record("all_to_all", tag, size * self.world_size, len(first), time.perf_counter() - t0,
+                           wire=size * (self.world_size - 1))
+        return out
+
+    @abstractmethod
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]: ...
 
     @abstractmethod
     def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]: ...
@@ -97,6 +118,16 @@ class Communicator(ABC):
         """Control traffic, not in the ledger: each flag becomes true everywhere if it is true on any worker
         (stop requests, non-finite losses), so that every process takes the same branch."""
         return list(flags)
+
+    def agree_min(self, value: int) -> int:
+        """Control traffic, not in the ledger: the smallest ``value`` over all processes (the newest
+        checkpoint step every process can load, ...)."""
+        return value
+
+    def share_text(self, text: str) -> str:
+        """Control traffic, not in the ledger: the main process's ``text`` on every process (a folder name
+        only the main process may choose)."""
+        return text
 
     @abstractmethod
     def barrier(self) -> None: ...

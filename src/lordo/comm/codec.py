@@ -1,17 +1,22 @@
-"""Codecs: how a tensor travels in a synchronisation, and the one call strategies make to average through one.
+"""Codecs: how tensors travel in a synchronisation, and the one call strategies make to average through one.
 
-A codec encodes a tensor into a payload (a few tensors) and decodes a payload back. Payloads of a
-*summable* codec (fp32, bf16) are summed on the wire by an all-reduce; integer payloads with per-row
-scales cannot be, so they are all-gathered and every worker decodes and sums them itself, in rank order
-(the same sum on every worker). :func:`average` also keeps error feedback when asked: what encoding lost
-on a worker is added to that worker's next payload, so nothing is lost over rounds.
+- :class:`Codec` (fp32, as they are) and :class:`Bf16`: summable, so averaged by an all-reduce.
+- :class:`BlockCodec` (int8, int4, log-int8): integer codes with a float32 scale per block of elements.
+  Codes with different scales cannot be summed on the wire, so :func:`average` runs a quantised
+  reduce-scatter and all-gather: every worker flattens its tensors into one vector, cuts it into M equal
+  shards and sends shard j, encoded, to worker j (an all-to-all); worker j decodes the M copies of its shard,
+  averages them (in rank order, float32), encodes the mean and all-gathers it. Each worker sends
+  2·(M−1)/M of one encoded vector, as a ring all-reduce of it would: the wire bytes fall with the bit width
+  and do not grow with M.
 
-``sync_codecs(compress)`` names the codec of each payload of a synchronisation (pseudo-gradients, first
-and second moments) for ``strategy.compress`` = none | bf16 | int8.
+Error feedback (``residuals``, per worker, and ``shard_residuals``, per shard owner): what each of the two
+encodings lost is added to the next round's input, so over rounds nothing is lost (tests/test_compress.py).
+``sync_codecs(compress)`` names the codec of each payload for ``strategy.compress`` = none | bf16 | int8 | int4.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,21 +24,19 @@ import torch
 from .base import Communicator, TensorLists
 from .compress import dequantize_int8_rows, dequantize_log_int8_rows, quantize_int8_rows, quantize_log_int8_rows
 
-COMPRESSIONS = ("none", "bf16", "int8")
+COMPRESSIONS = ("none", "bf16", "int8", "int4")
 
 
 class Codec:
     """The identity: tensors travel as they are (fp32) and are summed on the wire."""
 
     name = "none"
-    summable = True
 
-    def encode(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [t]
+    def encode(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
-    def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        """``like``'s values back from ``payload`` (in the payload's dtype; the caller copies them into place)."""
-        return payload[0]
+    def decode(self, sent: torch.Tensor) -> torch.Tensor:
+        return sent
 
 
 class Bf16(Codec):
@@ -41,102 +44,162 @@ class Bf16(Codec):
 
     name = "bf16"
 
-    def encode(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [t.to(torch.bfloat16)]
+    def encode(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16)
 
 
-class Int8Rows(Codec):
-    """int8 with one float32 scale per row (``compress.quantize_int8_rows``), all-gathered.
-
-    ``long_rows``: quantise a tall matrix along its longer axis (a low-rank moment is p×r: one scale per r
-    elements would cost as much as the codes)."""
-
-    name = "int8"
-    summable = False
-
-    def __init__(self, long_rows: bool = False) -> None:
-        self.long_rows = long_rows
-
-    def _turned(self, t: torch.Tensor) -> bool:
-        return self.long_rows and t.ndim == 2 and t.shape[0] > t.shape[1]
-
-    def _quantize(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int8_rows(t)
-
-    def _dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        return dequantize_int8_rows(codes, meta)
-
-    def encode(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return list(self._quantize(t.T if self._turned(t) else t))
-
-    def decode(self, payload: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        x = self._dequantize(payload[0], payload[1])
-        return x.T if self._turned(like) else x
+def _as_bytes(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-class LogInt8Rows(Int8Rows):
-    """int8 codes of ln x per row, for non-negative tensors of wide range (Adam's second moments: a small
-    entry rounded to zero would make its step explode); ``compress.quantize_log_int8_rows``."""
+class BlockCodec:
+    """Integer codes for a flat float vector whose length is a multiple of ``block``, with a float32 scale
+    per block, packed into one uint8 buffer (``encode``/``decode``; ``nbytes`` its size).
 
-    def _quantize(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_log_int8_rows(t)
+    ``bits = 8``: q = round(x/s) in [−127, 127], s = max|x|/127 per block (``compress.quantize_int8_rows``).
+    ``bits = 4``: q in [−7, 7], s = max|x|/7, two codes per byte. ``log``: 8-bit codes of ln x for
+    non-negative vectors of wide range (Adam's second moments; ``compress.quantize_log_int8_rows``)."""
 
-    def _dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        return dequantize_log_int8_rows(codes, meta)
+    def __init__(self, bits: int = 8, block: int = 256, log: bool = False) -> None:
+        if bits not in (4, 8) or (log and bits != 8):
+            raise ValueError(f"bits must be 8 (or 4 without log), got {bits}")
+        self.bits, self.block, self.log = bits, block, log
+        self.name = "log-int8" if log else f"int{bits}"
+
+    def code_bytes(self, numel: int) -> int:
+        return numel * self.bits // 8
+
+    def nbytes(self, numel: int) -> int:
+        meta = 8 if self.log else 4  # per block: [lo, hi] of ln x, or one scale
+        return self.code_bytes(numel) + meta * (numel // self.block)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float().reshape(-1, self.block)
+        if self.log:
+            return _as_bytes(*quantize_log_int8_rows(rows))
+        if self.bits == 8:
+            return _as_bytes(*quantize_int8_rows(rows))
+        scale = rows.abs().amax(dim=1) / 7
+        q = (rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-7, 7).to(torch.uint8) + 8
+        flat = q.reshape(-1)
+        return _as_bytes(flat[0::2] | (flat[1::2] << 4), scale)
+
+    def decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        codes, meta = buf[: self.code_bytes(numel)], buf[self.code_bytes(numel):].view(torch.float32)
+        nblocks = numel // self.block
+        if self.log:
+            return dequantize_log_int8_rows(codes.view(torch.int8).reshape(nblocks, self.block), meta.reshape(nblocks, 2)).reshape(-1)
+        if self.bits == 8:
+            return dequantize_int8_rows(codes.view(torch.int8).reshape(nblocks, self.block), meta).reshape(-1)
+        q = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(nblocks, self.block).to(torch.float32) - 8
+        return (q * meta[:, None]).reshape(-1)
 
 
-def sync_codecs(compress: str) -> dict[str, Codec]:
-    """The codec of each payload of a synchronisation: ``pseudo_gradient``, ``exp_avg``, ``exp_avg_sq``."""
+def sync_codecs(compress: str) -> dict[str, Codec | BlockCodec]:
+    """The codec of each payload of a synchronisation: ``pseudo_gradient``, ``exp_avg``, ``exp_avg_sq``
+    (moments stay at 8 bits under int4: they are small, and second moments need the log domain)."""
     if compress == "none":
         return dict.fromkeys(("pseudo_gradient", "exp_avg", "exp_avg_sq"), Codec())
     if compress == "bf16":
         return dict.fromkeys(("pseudo_gradient", "exp_avg", "exp_avg_sq"), Bf16())
-    if compress == "int8":
-        return {"pseudo_gradient": Int8Rows(), "exp_avg": Int8Rows(long_rows=True), "exp_avg_sq": LogInt8Rows(long_rows=True)}
+    if compress in ("int8", "int4"):
+        return {"pseudo_gradient": BlockCodec(bits=int(compress[3:]), block=256 if compress == "int8" else 128),
+                "exp_avg": BlockCodec(bits=8), "exp_avg_sq": BlockCodec(log=True)}
     raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
 
 
+def padded_numel(shapes_or_numels: Sequence, codec: BlockCodec) -> int:
+    """Length of the flat vector of several tensors laid out so that no block spans two tensors (a block's
+    scale then follows one tensor's magnitude): each tensor padded with zeros to whole blocks."""
+    numels = [n if isinstance(n, int) else math.prod(n) for n in shapes_or_numels]
+    return sum(math.ceil(n / codec.block) * codec.block for n in numels)
+
+
+def shard_numel(padded: int, world: int, codec: BlockCodec) -> int:
+    """Elements of each worker's shard when a vector of ``padded`` elements (:func:`padded_numel`) is cut into
+    ``world`` equal shards of whole blocks (the vector is padded with zeros to world × shard)."""
+    return math.ceil(padded / (world * codec.block)) * codec.block
+
+
 @torch.no_grad()
-def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: Codec,
-            residuals: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
+def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: Codec | BlockCodec,
+            residuals: Sequence[Sequence[torch.Tensor]] | None = None,
+            shard_residuals: Sequence[torch.Tensor] | None = None) -> None:
     """Replace every hosted worker's tensors, in place, by their mean over all workers, sent through ``codec``
-    (ledger tag ``tag``, suffixed with the codec's name). ``residuals`` (per hosted worker, per tensor; only
-    with a lossy codec): error feedback, added to the tensor before encoding and set to what encoding lost."""
+    (ledger tag ``tag``, suffixed with the codec's name). ``residuals`` (per hosted worker, per tensor) and
+    ``shard_residuals`` (per hosted worker, :func:`shard_numel` elements; block codecs only): error feedback
+    of what encoding lost, added to the next round's input. With one worker nothing is sent or lost."""
+    if comm.world_size == 1:
+        return
+    if isinstance(codec, BlockCodec):
+        _sharded_average(comm, per_worker, f"{tag}_{codec.name}", codec, residuals, shard_residuals)
+        return
     if type(codec) is Codec:  # nothing to encode
         comm.all_reduce_mean(per_worker, tag=tag)
         return
-    tag = f"{tag}_{codec.name}"
     if residuals:
         for tensors, errors in zip(per_worker, residuals, strict=True):
             torch._foreach_add_(list(tensors), list(errors))  # x = value + what earlier rounds did not deliver
     payload = [[codec.encode(t) for t in tensors] for tensors in per_worker]
     if residuals:
-        for tensors, sent, errors in zip(per_worker, payload, residuals):
-            for t, p, e in zip(tensors, sent, errors):
-                e.copy_(t).sub_(codec.decode(p, t))
-    if codec.summable:
-        comm.all_reduce_mean([[x for p in sent for x in p] for sent in payload], tag=tag)
-        for tensors, sent in zip(per_worker, payload):
-            for t, p in zip(tensors, sent):
-                t.copy_(codec.decode(p, t))
-        return
-    gathered = comm.all_gather([[x for p in sent for x in p] for sent in payload], tag=tag)
-    means: dict[int, list[torch.Tensor]] = {}  # the simulator hands every hosted worker the same list
+        for sent, errors, tensors in zip(payload, residuals, per_worker):
+            for p, e, t in zip(sent, errors, tensors):
+                e.copy_(t).sub_(codec.decode(p))
+    comm.all_reduce_mean(payload, tag=f"{tag}_{codec.name}")
+    for tensors, sent in zip(per_worker, payload):
+        for t, p in zip(tensors, sent):
+            t.copy_(codec.decode(p))
+
+
+def _sharded_average(comm: Communicator, per_worker: TensorLists, tag: str, codec: BlockCodec,
+                     residuals: Sequence[Sequence[torch.Tensor]] | None,
+                     shard_residuals: Sequence[torch.Tensor] | None) -> None:
+    world = comm.world_size
+    shard = shard_numel(padded_numel([t.numel() for t in per_worker[0]], codec), world, codec)
+    chunks, flats = [], []
+    for h, tensors in enumerate(per_worker):
+        flat = _gather_padded(tensors, world * shard, codec.block)
+        if residuals:
+            flat += _gather_padded(residuals[h], world * shard, codec.block)
+        encoded = [codec.encode(flat[j * shard:(j + 1) * shard]) for j in range(world)]
+        if residuals:  # what the first encoding lost stays with this worker
+            _scatter_into(residuals[h], flat - torch.cat([codec.decode(b, shard) for b in encoded]), codec.block)
+        chunks.append(encoded)
+        flats.append(flat)
+    received = comm.all_to_all(chunks, tag=tag)
+    mine = []
+    for h, copies in enumerate(received):  # the mean of my shard over the workers, summed in rank order
+        mean = torch.zeros(shard, dtype=torch.float32, device=flats[h].device)
+        for buf in copies:
+            mean += codec.decode(buf, shard)
+        mean /= world
+        if shard_residuals is not None:
+            mean += shard_residuals[h]
+        sent = codec.encode(mean)
+        if shard_residuals is not None:  # what the second encoding lost stays with the shard's owner
+            shard_residuals[h].copy_(mean - codec.decode(sent, shard))
+        mine.append([sent])
+    gathered = comm.all_gather(mine, tag=tag)
+    results: dict[int, torch.Tensor] = {}  # the simulator hands every hosted worker the same list
     for tensors, sources in zip(per_worker, gathered):
-        if id(sources) not in means:
-            means[id(sources)] = _decoded_mean(codec, tensors, sources, comm.world_size)
-        for t, m in zip(tensors, means[id(sources)]):
-            t.copy_(m)
+        if id(sources) not in results:
+            results[id(sources)] = torch.cat([codec.decode(src[0], shard) for src in sources])
+        _scatter_into(tensors, results[id(sources)], codec.block)
 
 
-def _decoded_mean(codec: Codec, like: Sequence[torch.Tensor], sources: list[list[torch.Tensor]], world: int) -> list[torch.Tensor]:
-    """Mean over workers of their decoded payloads (each worker's list: code, metadata, code, ...), summed
-    in rank order in float32 so that every worker gets the same bits."""
-    width = len(sources[0]) // len(like)
-    out = []
-    for i, t in enumerate(like):
-        acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-        for src in sources:
-            acc += codec.decode(src[width * i: width * (i + 1)], t)
-        out.append(acc.div_(world))
-    return out
+def _gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:
+    """The tensors as one float32 vector of ``length``, each starting at a block boundary, zeros between."""
+    flat = torch.zeros(length, dtype=torch.float32, device=tensors[0].device)
+    offset = 0
+    for t in tensors:
+        flat[offset:offset + t.numel()] = t.reshape(-1)
+        offset += math.ceil(t.numel() / block) * block
+    return flat
+
+
+def _scatter_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> None:
+    """The inverse of :func:`_gather_padded`: copy each tensor's span of ``flat`` into it."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += math.ceil(t.numel() / block) * block

@@ -37,11 +37,6 @@ def dequantize_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (_rows(q).float() * scale[:, None]).reshape(q.shape)
 
 
-def int8_payload_bytes(t: torch.Tensor) -> int:
-    """Bytes one tensor costs as an int8 payload: one byte per element plus a float32 scale per row."""
-    return t.numel() + 4 * _rows(t).shape[0]
-
-
 ZERO_CODE = -128
 
 
@@ -68,8 +63,3 @@ def dequantize_log_int8_rows(codes: torch.Tensor, bounds: torch.Tensor) -> torch
     lo, hi = bounds[:, 0:1], bounds[:, 1:2]
     x = torch.exp(lo + (c.float() + 127) / 254 * (hi - lo))
     return torch.where(c == ZERO_CODE, torch.zeros((), device=x.device), x).reshape(codes.shape)
-
-
-def log_int8_payload_bytes(t: torch.Tensor) -> int:
-    """Bytes one tensor costs as a log-int8 payload: one byte per element plus two float32 per row."""
-    return t.numel() + 8 * _rows(t).shape[0]

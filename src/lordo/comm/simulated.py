@@ -21,6 +21,9 @@ class SimCommunicator(Communicator):
             for t in tensors:
                 t.copy_(acc)
 
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        return [[per_worker[src][dst] for src in range(self.world_size)] for dst in range(self.world_size)]
+
     def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
         gathered = [list(tensors) for tensors in per_worker]
         return [gathered for _ in per_worker]

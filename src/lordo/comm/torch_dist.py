@@ -128,6 +128,13 @@ class TorchDistCommunicator(Communicator):
         return [[[t for t in row if t is not None] for row in result]]
 
     @torch.no_grad()
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        (chunks,) = per_worker
+        received = torch.empty((self.world_size, *chunks[0].shape), dtype=chunks[0].dtype, device=chunks[0].device)
+        self._run("all_to_all", dist.all_to_all_single, received, torch.stack(list(chunks)))
+        return [list(received.unbind(0))]
+
+    @torch.no_grad()
     def _broadcast(self, per_worker: TensorLists, src: int) -> None:
         (tensors,) = per_worker
         for group in self._buckets(tensors).values():
@@ -143,6 +150,17 @@ class TorchDistCommunicator(Communicator):
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
         self._run("agree", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return [bool(v) for v in t.tolist()]
+
+    def agree_min(self, value: int) -> int:
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        self._run("agree_min", dist.all_reduce, t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def share_text(self, text: str) -> str:
+        box = [text if self.rank == 0 else None]
+        self._run("share_text", dist.broadcast_object_list, box, src=0)
+        return str(box[0])
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)

@@ -1,8 +1,8 @@
 """Reports of a sweep: a markdown table (mean ± std over seeds) and PNG plots.
 
 ``lordo report DIR`` reads every ``DIR/<point>/summary.json`` and ``metrics.jsonl`` and writes
-``DIR/report.md`` and ``DIR/plots/*.png``: validation loss against steps and against bytes communicated
-(log axis), basis overlap at each synchronisation, and optimizer-state memory by category.
+``DIR/report.md`` and ``DIR/plots/*.png``: validation loss against steps and against bytes sent per worker
+(wire bytes, log axis), basis overlap at each synchronisation, and optimizer-state memory by category.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..comm.ledger import wire_bytes
 from ..errors import LordoError
 
 
@@ -62,6 +63,33 @@ def _wall(summaries: list[dict[str, Any]]) -> str:
     return f"{comm['1gbit']:.2f} / {comm['10gbit']:.2f}"
 
 
+def wire_totals(summary: dict[str, Any]) -> tuple[int, int]:
+    """(bytes sent per worker, what ddp would have sent) of a run. Summaries written before wire bytes were
+    counted get them from their per-collective payloads through the same model (comm.ledger.wire_bytes)."""
+    if "comm_wire_bytes_total" in summary:
+        return summary["comm_wire_bytes_total"], summary["ddp_comm_wire_bytes"]
+    world, steps = summary["workers"], summary["steps"]
+    table = summary["comm_by_collective"]
+    wire = sum(e["calls"] * wire_bytes(k.split(":")[0], e["bytes"] // max(e["calls"], 1), world) for k, e in table.items())
+    init = table.get("broadcast:init", {"bytes": 0})
+    grad = (summary["ddp_comm_bytes"] - init["bytes"]) // steps if steps else 0
+    return wire, steps * wire_bytes("all_reduce", grad, world) + wire_bytes("broadcast", init["bytes"], world)
+
+
+def _wire_rows(run: dict[str, Any]) -> list[tuple[float, float]]:
+    """(bytes sent so far, validation loss) of a run's evaluations: the rows' wire counts, or (older runs)
+    their payload counts scaled by the run's final wire / payload."""
+    wire, _ = wire_totals(run["summary"])
+    payload = run["summary"]["comm_bytes_total"]
+    scale = wire / payload if payload else 1.0
+    out = []
+    for r in run["metrics"]:
+        sent = r.get("comm_wire_bytes", r.get("comm_bytes", 0) * scale)
+        if "val_loss" in r and sent > 0:
+            out.append((sent, r["val_loss"]))
+    return out
+
+
 def _adamw_ratio(summary: dict[str, Any], state: int) -> str:
     """Optimizer state against AdamW's two fp32 moments of every trained parameter (8 bytes per parameter)."""
     params = summary.get("params")
@@ -82,18 +110,20 @@ def write_report(root: str | Path) -> Path:
         "",
         f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
         "",
-        "| point | seeds | val ppl | val loss | comm bytes / step | × ddp | modelled comm s @ 1 / 10 Gbit/s "
+        "| point | seeds | val ppl | val loss | bytes sent / step (payload) | × ddp | modelled comm s @ 1 / 10 Gbit/s "
         "| optimizer state (bytes) | × AdamW | basis overlap |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, members in groups.items():
         s = [m["summary"] for m in members]
-        ratios = [x["comm_ratio_to_ddp"] for x in s if x.get("comm_ratio_to_ddp") is not None]
+        totals = [wire_totals(x) for x in s]
+        ratios = [w / d for w, d in totals if d]
         ratio = f"{statistics.mean(ratios):.4f}" if ratios else "–"
         state = sum(s[0]["optimizer_state_bytes"].values())
+        sent = statistics.mean(w / x["steps"] for (w, _), x in zip(totals, s))
         lines.append(
             f"| {key} | {len(members)} | {_mean_std([x['val_ppl'] for x in s])} | {_mean_std([x['val_loss'] for x in s])} "
-            f"| {statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f} | {ratio} | {_wall(s)} "
+            f"| {sent:,.0f} ({statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f}) | {ratio} | {_wall(s)} "
             f"| {state:,} | {_adamw_ratio(s[0], state)} | {_mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
         )
     plots = _plots(root, runs)
@@ -129,9 +159,9 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        e = [r for r in evals(run) if r.get("comm_bytes", 0) > 0]
+        e = _wire_rows(run)
         if e:
-            ax.plot([r["comm_bytes"] for r in e], [r["val_loss"] for r in e], marker="o", ms=3, label=run["name"])
+            ax.plot([x for x, _ in e], [y for _, y in e], marker="o", ms=3, label=run["name"])
     ax.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
            title="validation loss vs communication")
     if ax.get_lines():
@@ -198,9 +228,10 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, evals in runs:
         left.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", ms=3, label=name)
-        sent = [r for r in evals if r.get("comm_bytes", 0) > 0]
+        sent = [r for r in evals if r.get("comm_wire_bytes", r.get("comm_bytes", 0)) > 0]
         if sent:
-            right.plot([r["comm_bytes"] for r in sent], [r["val_loss"] for r in sent], marker="o", ms=3, label=name)
+            right.plot([r.get("comm_wire_bytes", r["comm_bytes"]) for r in sent], [r["val_loss"] for r in sent], marker="o",
+                       ms=3, label=name)
     left.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
     right.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
               title="validation loss vs communication")

@@ -48,6 +48,7 @@ class Worker:
     optimizer: torch.optim.Optimizer  # the inner (local) optimizer
     params: list[torch.Tensor]  # the trained parameters, in the optimizer's order
     residuals: list[torch.Tensor] = field(default_factory=list)  # what compressing its pseudo-gradients lost
+    shard_residual: torch.Tensor | None = None  # what re-encoding the mean of its shard lost (block codecs)
 
 
 def check_workers(models: Sequence[nn.Module], comm: Communicator,

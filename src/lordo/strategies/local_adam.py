@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..comm.codec import COMPRESSIONS, average, sync_codecs
+from ..comm.codec import COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from .base import Strategy, check_number, tensor_bytes
 
@@ -39,7 +39,7 @@ class LocalUpdateStrategy(Strategy):
     ``outer_optimizer``: builds the outer optimizer over the anchor tensors (default :func:`model_averaging`;
     e.g. ``lambda a: torch.optim.SGD(a, lr=0.7, momentum=0.9, nesterov=True)`` for DiLoCo).
     ``average_moments``: none | all (every parameter's ``exp_avg``/``exp_avg_sq``); ``moment_periods``: steps
-    between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 payloads, with
+    between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 | int4 payloads, with
     ``compression_feedback`` keeping what compressing the pseudo-gradient lost for the next round."""
 
     name = "local-adam"
@@ -70,8 +70,12 @@ class LocalUpdateStrategy(Strategy):
         self.syncs = 0
         self.synced_at = 0  # the step of the last synchronisation (0: the replicas start equal)
         if compress != "none" and compression_feedback:
+            codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
                 w.residuals = [torch.zeros_like(p) for p in w.params]
+                if isinstance(codec, BlockCodec):
+                    padded = padded_numel([p.numel() for p in w.params], codec)
+                    w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.params[0].device)
 
     def averaged_params(self, worker: int) -> list[torch.Tensor]:
         """Parameters whose optimizer moments are averaged."""
@@ -121,7 +125,9 @@ class LocalUpdateStrategy(Strategy):
             torch._foreach_sub_(w.params, self.anchor)
             torch._foreach_neg_(w.params)
         pseudo = [[p.data for p in w.params] for w in self.workers]
-        average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers])
+        shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
+        average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
+                shard_residuals)
         delta = pseudo[0]
         if not all(bool(torch.isfinite(d).all()) for d in delta):
             self._restore_from_anchor()  # roll back: every replica holds the last good model again
@@ -152,6 +158,8 @@ class LocalUpdateStrategy(Strategy):
         for saved, w in zip(state["workers"], self.workers):
             if w.residuals:
                 saved["compression_error"] = [e.clone() for e in w.residuals]
+            if w.shard_residual is not None:
+                saved["shard_compression_error"] = w.shard_residual.clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -159,6 +167,8 @@ class LocalUpdateStrategy(Strategy):
         for saved, w in zip(state["workers"], self.workers):
             if w.residuals:
                 torch._foreach_copy_(w.residuals, list(saved["compression_error"]))
+            if w.shard_residual is not None:
+                w.shard_residual.copy_(saved["shard_compression_error"])
 
     def shared_state(self) -> dict[str, Any]:
         return {
@@ -195,7 +205,7 @@ class LocalUpdateStrategy(Strategy):
         if outer:
             out["outer_optimizer"] = outer
         if self.workers[0].residuals:
-            out["compression_feedback"] = tensor_bytes(self.workers[0].residuals)
+            out["compression_feedback"] = tensor_bytes([*self.workers[0].residuals, self.workers[0].shard_residual])
         return out
 
 

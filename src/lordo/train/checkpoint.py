@@ -78,10 +78,14 @@ def _load_tensor_file(path: Path) -> Any:
         data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:  # a permission error, a directory in its place, an I/O error
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {exc.strerror or exc}") from None
     try:
         expected = path.with_name(path.name + ".sha256").read_text().strip()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} has no .sha256 beside it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"the checksum of {path} cannot be read: {exc}") from None
     if hashlib.sha256(data).hexdigest() != expected:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated (checksum mismatch)")
     try:
@@ -110,8 +114,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------------ write
 
-    def save(self, step: int, config: dict, shared: dict, workers: list[dict]) -> Path:
-        """Collective: every process calls it at the same step with its hosted workers' states."""
+    def save(self, step: int, config: dict, shared: dict, workers: list[dict], data: dict | None = None) -> Path:
+        """Collective: every process calls it at the same step with its hosted workers' states. The checkpoint is
+        committed (``step-N.partial`` renamed to ``step-N``, older ones pruned) only when every process wrote
+        its files; otherwise nothing is committed or pruned and every process raises."""
         final = step_dir(self.root, step)
         partial = final.with_name(final.name + ".partial")
         error: Exception | None = None
@@ -126,39 +132,47 @@ class Checkpointer:
                 _save_tensor_file(partial / "shared.pt", shared)
         except OSError as exc:
             error = exc
-        self.comm.barrier()
-        if self.comm.is_main:
+        (written_everywhere,) = [not failed for failed in self.comm.agree([error is not None])]
+        if written_everywhere and self.comm.is_main:
             try:
-                if error is not None:
-                    raise error
-                meta = {
-                    "format": FORMAT,
-                    "step": step,
-                    "world_size": self.comm.world_size,
-                    "files": ["shared.pt"] + [worker_file(r) for r in range(self.comm.world_size)],
-                    "config": config,
-                }
-                atomic_write(partial / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(partial, final)
-                _fsync_dir(self.root)
+                self._commit(step, config, partial, final, data)
             except OSError as exc:
+                error = exc
+        (failed,) = self.comm.agree([error is not None])
+        if failed:
+            if self.comm.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
-                previous = self.latest_step_name()
-                raise CheckpointError(
-                    f"could not save the checkpoint of step {step} to {final}: {exc}; "
-                    + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
-                ) from exc
-            self._prune()
-        elif error is not None:
-            raise CheckpointError(f"could not save worker files of step {step} to {partial}: {error}") from error
+            previous = self.latest_step_name()
+            why = str(error) if error is not None else "a worker process could not write its files"
+            raise CheckpointError(
+                f"could not save the checkpoint of step {step} to {final}: {why}; nothing was committed or pruned, "
+                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+            ) from error
         return final
+
+    def _commit(self, step: int, config: dict, partial: Path, final: Path, data: dict | None) -> None:
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.comm.world_size,
+            "files": ["shared.pt"] + [worker_file(r) for r in range(self.comm.world_size)],
+            "config": config,
+        }
+        if data is not None:
+            meta["data"] = data
+        atomic_write(partial / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(self.root)
+        self._prune()
 
     def _prune(self) -> None:
         complete = self.complete_dirs()
         for old in complete[: max(0, len(complete) - self.keep)]:
             shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob("step-*.partial"):  # left by saves that crashed
+            shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------------- read
 
@@ -183,34 +197,51 @@ class Checkpointer:
             int(meta["step"]), int(meta["world_size"]), dict(meta["config"])
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {folder} has no meta.json") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"checkpoint {folder}/meta.json cannot be read: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"checkpoint {folder}/meta.json is corrupt ({exc})") from None
         if meta.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"checkpoint {folder} was written in another format ({meta.get('format')!r})")
         return meta
 
-    def load_latest(self, check_meta=None) -> tuple[dict, dict, list[dict]]:
-        """(meta, shared state, states of this process's workers) of the newest intact checkpoint.
-
-        A corrupt newest checkpoint is reported (warning, naming the file) and the previous one is used.
-        ``check_meta(meta)`` runs before any file is read; what it raises (a config mismatch) propagates."""
-        dirs = self.complete_dirs()
-        if not dirs:
-            raise CheckpointError(f"no checkpoint in {self.root}")
-        problems = []
-        for folder in reversed(dirs):
+    def load_latest(self, check_meta=None) -> tuple[dict, dict, list[dict], Path]:
+        """(meta, shared state, states of this process's workers, folder) of the newest checkpoint that is
+        intact for every process. Collective: the processes agree on the step, so that all resume from the
+        same one; a damaged newest checkpoint (on any process) is reported, naming the file, and an older one
+        is tried. ``check_meta(meta)`` runs before any file is read; what it raises (a config mismatch)
+        propagates."""
+        folders = {int(d.name.split("-")[1]): d for d in self.complete_dirs()}
+        candidate = max(folders, default=-1)
+        problems: list[str] = []
+        while True:
+            step = self.comm.agree_min(candidate)  # the newest step no process is known to lack
+            if step < 0:
+                if problems:
+                    raise CheckpointError(f"every checkpoint is damaged: {'; '.join(problems)}")
+                raise CheckpointError(f"no checkpoint in {self.root}")
+            loaded, problem = None, None
             try:
-                meta = self.read_meta(folder)
-                if check_meta is not None:
-                    check_meta(meta)
-                shared = _load_tensor_file(folder / "shared.pt")
-                workers = [_load_tensor_file(folder / worker_file(r)) for r in self.comm.local_ranks]
+                loaded = self._load(folders.get(step) or step_dir(self.root, step), check_meta)
             except CheckpointError as exc:
-                problems.append(str(exc))
-                warnings.warn(f"{exc}; trying an earlier checkpoint", RuntimeWarning, stacklevel=2)
-                continue
-            return meta, shared, workers
-        raise CheckpointError("every checkpoint is damaged: " + "; ".join(problems))
+                problem = str(exc)
+            (bad,) = self.comm.agree([problem is not None])
+            if not bad and loaded is not None:
+                return (*loaded, folders[step])
+            if problem is not None:
+                problems.append(problem)
+                warnings.warn(f"{problem}; trying an earlier checkpoint", RuntimeWarning, stacklevel=2)
+            candidate = max((s for s in folders if s < step), default=-1)
+
+    def _load(self, folder: Path, check_meta) -> tuple[dict, dict, list[dict]]:
+        if not folder.is_dir():
+            raise CheckpointError(f"checkpoint {folder} is missing on this machine")
+        meta = self.read_meta(folder)
+        if check_meta is not None:
+            check_meta(meta)
+        shared = _load_tensor_file(folder / "shared.pt")
+        workers = [_load_tensor_file(folder / worker_file(r)) for r in self.comm.local_ranks]
+        return meta, shared, workers
 
 
 # fields that may change when a run is resumed; every other field must match the checkpoint's config
@@ -227,6 +258,7 @@ RESUMABLE_CHANGES = {
     ("train", "checkpoint_every"),
     ("train", "keep_checkpoints"),
     ("train", "on_nonfinite"),
+    ("train", "max_consecutive_skips"),
     ("data", "dir"),
     ("dist", "backend"),
     ("dist", "timeout_s"),
@@ -241,6 +273,8 @@ ADDED_FIELDS = {
     ("strategy", "basis_iterations"): 1,
     ("train", "eval_model"): "worker0",
     ("train", "precision"): "fp32",
+    ("strategy", "sync_buffers"): True,  # lordo's own model has no persistent buffers: the same either way
+    ("train", "max_consecutive_skips"): 20,
 }
 
 

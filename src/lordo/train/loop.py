@@ -31,6 +31,7 @@ from ..data.sampler import BatchSampler, eval_batches
 from ..errors import ConfigError, NonFiniteError, Stopped
 from ..model import GPT, GPTConfig, format_groups
 from .checkpoint import Checkpointer, config_differences
+from .lock import OutputLock
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
 from .summary import summarize
@@ -73,18 +74,52 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return ("bf16-mixed" if device.type == "cuda" else "fp32") if name == "auto" else name
 
 
-def train(cfg: Config, out_dir: str | Path, log: Callable[[str], None] = print, stream: TextIO | None = None) -> dict:
+def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = print, stream: TextIO | None = None) -> dict:
     """Run one training job described by ``cfg``; the main process writes config.json, metrics.jsonl and
-    summary.json to ``out_dir`` and returns the summary (other processes return it too, without files)."""
+    summary.json to ``out_dir`` (None: ``runs/<preset>-<strategy>-<time>``, named by the main process) and
+    returns the summary (other processes return it too, without files). The main process holds a lock on
+    the folder for the run."""
     t, d = cfg.train, cfg.dist
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(t.device)
     comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type)
     try:
-        return Trainer(cfg, Path(out_dir), comm, device, log, stream if stream is not None else sys.stderr).run()
+        out = _output_folder(cfg, out_dir, comm)
+        with _locked(out, comm):
+            return Trainer(cfg, out, comm, device, log, stream if stream is not None else sys.stderr).run()
     finally:
         comm.close()
+
+
+def _output_folder(cfg: Config, out_dir: str | Path | None, comm) -> Path:
+    """``out_dir``, or (None) ``runs/<preset>-<strategy>-<time>`` named by the main process for every process."""
+    if out_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out_dir = comm.share_text(str(Path("runs") / f"{cfg.model.preset}-{cfg.strategy.name}-{stamp}"))
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output folder {out} is a file; give --out a folder")
+    return out
+
+
+@contextlib.contextmanager
+def _locked(out: Path, comm):
+    """Hold ``out``'s lock (the main process) for the run; every process fails if it cannot be taken."""
+    lock, problem = OutputLock(out), None
+    if comm.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+        except (ConfigError, OSError) as exc:
+            problem = exc if isinstance(exc, ConfigError) else ConfigError(f"cannot use the output folder {out}: {exc}")
+    (failed,) = comm.agree([problem is not None])
+    if failed:
+        raise problem if problem is not None else ConfigError(f"the output folder {out} is unusable (see worker 0)")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 class _SignalFlag:
@@ -121,17 +156,23 @@ class RunState:
     loss_sum: float = 0.0  # the train_loss of the next metrics row averages over this window
     loss_n: int = 0
     diagnostics: dict[str, list[float]] = field(default_factory=dict)  # per-sync values for summary.json
+    schedule_steps: int = 0  # the length the lr schedule was laid out for: fixed at the run's start
+    skipped_in_a_row: int = 0
 
     @classmethod
-    def from_checkpoint(cls, step: int, shared: dict[str, Any]) -> RunState:
+    def from_checkpoint(cls, meta: dict[str, Any], shared: dict[str, Any]) -> RunState:
         window = shared["loss_window"]
-        return cls(step=step, train_s=float(shared["train_s"]), skipped=int(shared["skipped"]),
+        # older checkpoints lack schedule_steps: their run's train.steps laid the schedule out
+        schedule = int(shared.get("schedule_steps", meta["config"]["train"]["steps"]))
+        return cls(step=int(meta["step"]), train_s=float(shared["train_s"]), skipped=int(shared["skipped"]),
                    val_loss=float(shared["val_loss"]), loss_sum=float(window[0]), loss_n=int(window[1]),
-                   diagnostics={k: list(v) for k, v in shared["diagnostics"].items()})
+                   diagnostics={k: list(v) for k, v in shared["diagnostics"].items()}, schedule_steps=schedule,
+                   skipped_in_a_row=int(shared.get("skipped_in_a_row", 0)))
 
     def to_checkpoint(self) -> dict[str, Any]:
         return {"train_s": self.train_s, "skipped": self.skipped, "diagnostics": self.diagnostics,
-                "val_loss": self.val_loss, "loss_window": [self.loss_sum, self.loss_n]}
+                "val_loss": self.val_loss, "loss_window": [self.loss_sum, self.loss_n],
+                "schedule_steps": self.schedule_steps, "skipped_in_a_row": self.skipped_in_a_row}
 
 
 DIAGNOSTICS = ("basis_overlap", "residual_energy", "error_feedback_norm")  # averaged into summary.json
@@ -167,7 +208,7 @@ class Trainer:
         self.tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
-        self.state = RunState()
+        self.state = RunState(schedule_steps=t.steps)
         # fp16 autocast needs loss scaling; the optimizer unscales and skips a step on every worker together
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16-mixed" else None
         self.window = torch.zeros((), device=device)  # this log window's summed loss, read at the log interval
@@ -202,7 +243,7 @@ class Trainer:
         t, start = self.cfg.train, self.state.step
         progress = Progress(t.steps, self.stream, every=max(t.log_every, t.steps // 20))
         if start == 0:
-            metrics.write({"step": 0, "tokens": 0, **self.evaluation(), "comm_bytes": 0})
+            metrics.write({"step": 0, "tokens": 0, **self.evaluation(), "comm_bytes": 0, "comm_wire_bytes": 0})
         train_s_at_start = self.state.train_s
         with _SignalFlag() as stop:
             for step in range(start + 1, t.steps + 1):
@@ -213,6 +254,7 @@ class Trainer:
                     row.update({"step": step, "tokens": step * self.tokens_per_step, **self.evaluation()})
                 if row:
                     row["comm_bytes"] = self.comm.ledger.total_bytes
+                    row["comm_wire_bytes"] = self.comm.ledger.total_wire_bytes
                     metrics.write(row)
                 if row and self.main:
                     tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
@@ -227,7 +269,9 @@ class Trainer:
         """Forward, backward and the optimizer step on every hosted worker; returns (diagnostics, lr, whether
         any process asked to stop)."""
         t0 = time.perf_counter()
-        lr = self.cfg.optim.lr * lr_factor(step - 1, self.cfg.train.steps, self.cfg.schedule)
+        # the schedule keeps the length it was laid out for; steps added on resume run at its final lr
+        total = self.state.schedule_steps
+        lr = self.cfg.optim.lr * lr_factor(min(step, total) - 1, total, self.cfg.schedule)
         losses = torch.stack([self._forward_backward(forward, sampler) for forward, sampler in zip(self.forwards, self.samplers)])
         # one host read per step for every hosted worker; every process must take the same branch
         nonfinite, stop_requested = self.comm.agree([not bool(torch.isfinite(losses).all()), stop_signalled])
@@ -247,6 +291,7 @@ class Trainer:
                 raise NonFiniteError(f"{exc}; last good checkpoint: {self._last_good()}") from None
             self.window += losses.mean()
             self.state.loss_n += 1
+            self.state.skipped_in_a_row = 0
         self.state.train_s += time.perf_counter() - t0
         self.state.step = step
         return stats, lr, stop_requested
@@ -273,6 +318,12 @@ class Trainer:
         for m in self.models:  # skip the step on every worker, keep the data position moving
             m.zero_grad(set_to_none=True)
         self.state.skipped += 1
+        self.state.skipped_in_a_row += 1
+        if self.state.skipped_in_a_row >= self.cfg.train.max_consecutive_skips:
+            raise NonFiniteError(
+                f"the loss was not finite for {self.state.skipped_in_a_row} steps in a row (up to step {step}): the model "
+                f"has diverged; last good checkpoint: {self._last_good()}. Lower optim.lr"
+            )
         self.log(f"step {step}: non-finite loss, step skipped on every worker ({self.state.skipped} so far)")
         return {"skipped_nonfinite": 1.0}
 
@@ -287,6 +338,8 @@ class Trainer:
         if not (step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats):
             return {}
         s = self.state
+        if len(self.comm.local_ranks) < self.comm.world_size:  # one worker per process: the mean over all of them
+            self.comm.all_reduce_mean([[self.window]], tag="train_loss", accounted=False)
         s.loss_sum += float(self.window)  # the only read of the training loss
         row = {"step": step, "tokens": step * self.tokens_per_step, "lr": lr,
                "train_loss": s.loss_sum / s.loss_n if s.loss_n else float("nan"), **stats}
@@ -327,7 +380,13 @@ class Trainer:
                           f"Continue with: lordo train --resume {self.out}", 128 + (signum or signal.SIGTERM))
 
     def save_checkpoint(self, step: int) -> Path:
-        """Collective: every process writes its workers' files; the main one the shared state."""
+        """Collective: every process writes its workers' files; the main one the shared state. A model that is
+        not finite on any worker is never saved: it would replace a good checkpoint."""
+        finite = all(bool(torch.isfinite(p).all()) for m in self.models for p in m.parameters())
+        (diverged,) = self.comm.agree([not finite])
+        if diverged:
+            raise NonFiniteError(f"the model is not finite at step {step}; no checkpoint was saved over the last good "
+                                 f"one: {self._last_good()}")
         state = self.optimizer.state_dict()
         self.state.loss_sum += float(self.window)  # the open loss window travels as plain numbers
         self.window.zero_()
@@ -337,10 +396,15 @@ class Trainer:
             shared["grad_scaler"] = self.scaler.state_dict()
         workers = [{"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
                    for m, smp, ws in zip(self.models, self.samplers, state["workers"])]
-        return self.checkpoints.save(step, self.config_dict, shared, workers)
+        return self.checkpoints.save(step, self.config_dict, shared, workers, data=self.data_fingerprint())
+
+    def data_fingerprint(self) -> dict[str, str]:
+        """What identifies the corpus a run trains on (a resume must read the same tokens)."""
+        m = self.data.manifest
+        return {"train_sha256": m["splits"]["train"]["sha256"], "tokenizer_sha256": m["tokenizer"]["sha256"]}
 
     def resume(self) -> None:
-        meta, shared, workers = self.checkpoints.load_latest(self._check_compatible)
+        meta, shared, workers, folder = self.checkpoints.load_latest(self._check_compatible)
         for model, sampler, w in zip(self.models, self.samplers, workers, strict=True):
             model.load_state_dict(w["model"])
             sampler.load_state_dict(w["sampler"])
@@ -349,13 +413,17 @@ class Trainer:
         torch.set_rng_state(shared["rng"])
         if self.scaler is not None and "grad_scaler" in shared:
             self.scaler.load_state_dict(shared["grad_scaler"])
-        self.state = RunState.from_checkpoint(int(meta["step"]), shared)
-        self.log(f"resuming from {self.checkpoints.latest_step_name()} at step {self.state.step}")
+        self.state = RunState.from_checkpoint(meta, shared)
+        self.log(f"resuming from {folder} at step {self.state.step}")
 
     def _check_compatible(self, meta: dict) -> None:
         problems = config_differences(meta["config"], self.config_dict)
         if meta["world_size"] != self.comm.world_size:
             problems.append(f"workers: {meta['world_size']} in the checkpoint, {self.comm.world_size} now")
+        if meta.get("data", self.data_fingerprint()) != self.data_fingerprint():
+            problems.append(f"the corpus: {self.data.root} holds other tokens than the checkpoint's run read")
+        if int(meta["step"]) > self.cfg.train.steps:
+            problems.append(f"train.steps: the checkpoint is at step {meta['step']}, past train.steps = {self.cfg.train.steps}")
         if problems:
             raise ConfigError(
                 f"{self.out} holds a checkpoint of a different run (step {meta['step']}); it differs in:\n  "

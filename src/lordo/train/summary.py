@@ -35,12 +35,16 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "train_s": state.train_s,
         "tokens_per_s": steps * trainer.tokens_per_step / state.train_s if state.train_s else float("nan"),
         "optimizer_state_bytes": trainer.optimizer.strategy.state_bytes(),
-        "comm_bytes_total": ledger.total_bytes,
+        "comm_wire_bytes_total": ledger.total_wire_bytes,  # what one worker sent (worker 0)
+        "comm_wire_bytes_per_step": ledger.total_wire_bytes / steps,
+        "comm_bytes_total": ledger.total_bytes,  # the payload it handed to the collectives
         "comm_bytes_per_step": ledger.total_bytes / steps,
         "comm_calls": ledger.total_calls,
         "comm_by_collective": ledger.table(),
+        "ddp_comm_wire_bytes": report["ddp_wire_bytes"],
         "ddp_comm_bytes": report["ddp_bytes"],
-        "comm_ratio_to_ddp": report["ratio_to_ddp"],
+        "comm_ratio_to_ddp": report["ratio_to_ddp"],  # wire bytes against ddp's
+        "comm_payload_ratio_to_ddp": report["payload_ratio_to_ddp"],
         "compute_s_per_worker": compute_s,
         "measured_comm_s": ledger.comm_s,
         "modeled_wall_s": {
