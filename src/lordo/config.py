@@ -103,12 +103,25 @@ class ModelConfig(_Section):
 @dataclass(kw_only=True)
 class DataConfig(_Section):
     _name = "data"
-    dir: str = _f("data", "folder holding package archives (packages/) and prepared token files")
-    vocab_size: int = _f(4096, "BPE vocabulary size (at most 65535: tokens are stored as uint16)")
+    dir: str = _f("data", "folder holding package archives (packages/, debs/) and prepared token files (prepared/)")
+    corpus: str = _f("bundled", "what to train on: bundled (Shakespeare + King James, 2.6M tokens), large (the bundled "
+                     "texts plus Debian's free English texts, fetched once by `lordo data fetch --corpus large`), or "
+                     "a folder, file or glob of .txt, .md or .jsonl files")
+    tokens: str = _f("", "a folder of pre-tokenized train.bin and val.bin (flat arrays of data.token_dtype, ids "
+                     "below data.vocab_size) to train on instead of data.corpus")
+    token_dtype: str = _f("uint16", "element type of data.tokens' files", _choice("uint16", "uint32"))
+    tokenizer: str = _f("bpe", "bpe (a byte-level BPE of data.vocab_size trained on the corpus) or a tokenizers JSON "
+                        "file (its vocabulary then sets the size)")
+    vocab_size: int = _f(4096, "vocabulary size: of the BPE to train (at most 65535), or of data.tokens' ids")
     val_fraction: float = _f(0.05, "share of documents held out for validation (chosen by a hash of their id)")
 
     def _check(self) -> None:
-        if not 256 < self.vocab_size <= 65535:
+        if self.tokens:
+            limit = 2**16 if self.token_dtype == "uint16" else 2**32
+            if not 1 < self.vocab_size <= limit:
+                raise ConfigError(f"data.vocab_size must be in (1, {limit}] for {self.token_dtype} token files, "
+                                  f"got {self.vocab_size}")
+        elif self.tokenizer == "bpe" and not 256 < self.vocab_size <= 65535:
             raise ConfigError(
                 f"data.vocab_size must be in (256, 65535] (byte alphabet plus merges, uint16 storage), got {self.vocab_size}"
             )

@@ -275,6 +275,10 @@ ADDED_FIELDS = {
     ("train", "precision"): "fp32",
     ("strategy", "sync_buffers"): True,  # lordo's own model has no persistent buffers: the same either way
     ("train", "max_consecutive_skips"): 20,
+    ("data", "corpus"): "bundled",
+    ("data", "tokens"): "",
+    ("data", "token_dtype"): "uint16",
+    ("data", "tokenizer"): "bpe",
 }
 
 

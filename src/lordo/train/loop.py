@@ -216,9 +216,10 @@ class Trainer:
     def _load_data(self):
         # one process per machine prepares the corpus if needed; the others wait, then open the same files
         d = self.cfg.data
-        data = data_prep.ensure(d.dir, d.vocab_size, d.val_fraction, log=self.log) if self.comm.is_node_main else None
+        spec = data_prep.CorpusSpec.of(d)
+        data = data_prep.ensure(d.dir, d.vocab_size, d.val_fraction, log=self.log, spec=spec) if self.comm.is_node_main else None
         self.comm.barrier()
-        return data if data is not None else data_prep.load(data_prep.prepared_dir(d.dir, d.vocab_size, d.val_fraction))
+        return data if data is not None else data_prep.load(data_prep.corpus_dir(d.dir, spec))
 
     # ------------------------------------------------------------------------------------------------ the run
 
@@ -401,7 +402,7 @@ class Trainer:
     def data_fingerprint(self) -> dict[str, str]:
         """What identifies the corpus a run trains on (a resume must read the same tokens)."""
         m = self.data.manifest
-        return {"train_sha256": m["splits"]["train"]["sha256"], "tokenizer_sha256": m["tokenizer"]["sha256"]}
+        return {"train_sha256": m["splits"]["train"]["sha256"], "tokenizer_sha256": m.get("tokenizer", {}).get("sha256", "")}
 
     def resume(self) -> None:
         meta, shared, workers, folder = self.checkpoints.load_latest(self._check_compatible)

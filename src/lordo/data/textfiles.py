@@ -1,0 +1,87 @@
+"""Your own text as a corpus: a folder, a file or a glob of ``.txt``, ``.md`` and ``.jsonl`` files.
+
+A ``.txt`` or ``.md`` file is cut into documents of up to about 16,000 characters at line ends (the document
+is the unit of the train/validation split); each line of a ``.jsonl`` file is one document, its ``"text"``
+field.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import DataError
+from .debian import chunks
+
+Document = tuple[str, str]
+TEXT_SUFFIXES = (".txt", ".md", ".jsonl")
+
+
+def text_files(spec: str) -> tuple[Path, list[Path]]:
+    """(root the document ids are relative to, the files) of ``data.corpus`` = a folder, a file or a glob."""
+    path = Path(spec).expanduser()
+    if any(c in spec for c in "*?["):
+        root = Path(spec.split("*")[0].split("?")[0].split("[")[0] or ".")
+        root = root if root.is_dir() else root.parent
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        root, files = path, sorted(p for p in path.rglob("*") if p.is_file())
+    elif path.is_file():
+        root, files = path.parent, [path]
+    else:
+        raise DataError(f"data.corpus {spec!r}: no such folder or file (or a glob that matches nothing); give "
+                        "\"bundled\", \"large\", or a folder, file or glob of .txt, .md or .jsonl files")
+    files = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES]
+    if not files:
+        raise DataError(f"data.corpus {spec!r} holds no .txt, .md or .jsonl files")
+    return root, files
+
+
+def fingerprint(files: list[Path]) -> str:
+    """A digest of the files' contents and names: a changed corpus gets a new prepared folder."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.name).encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _read(f: Path) -> str:
+    raw = f.read_bytes()
+    if b"\x00" in raw:
+        raise DataError(f"{f} is not text (it holds NUL bytes); data.corpus takes .txt, .md and .jsonl text files")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{f} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8") from None
+
+
+def iter_text_documents(root: Path, files: list[Path]) -> Iterator[Document]:
+    """The documents of the files. Text is cut into pieces of 1,000 to 16,000 characters: small enough that a
+    small corpus still has a few hundred documents to split into train and validation."""
+    texts = [(f, _read(f)) for f in files]
+    size = max(1_000, min(16_000, sum(len(t) for f, t in texts if f.suffix.lower() != ".jsonl") // 200))
+    for f, text in texts:
+        name = str(f.relative_to(root)) if f.is_relative_to(root) else str(f)
+        if f.suffix.lower() == ".jsonl":
+            yield from _jsonl_documents(f, name, text)
+        else:
+            yield from chunks(name, text, size)
+
+
+def _jsonl_documents(f: Path, name: str, text: str) -> Iterator[Document]:
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            body = record["text"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise DataError(f"{f}:{number}: each line of a .jsonl corpus must be a JSON object with a \"text\" string") from None
+        if not isinstance(body, str):
+            raise DataError(f"{f}:{number}: \"text\" must be a string, got {type(body).__name__}")
+        if body.strip():
+            yield f"{name}:{number}", body

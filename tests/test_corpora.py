@@ -1,0 +1,194 @@
+"""Corpora beyond the bundled one: your text files, your token files, a tokenizer of your own, and the
+Debian packages of the ``large`` corpus (read from synthetic .deb archives built here, so no download)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lordo.config import build_config
+from lordo.data import prepare
+from lordo.data.debian import DEB_SOURCES, deb_members, lazyload_objects, unserialize
+from lordo.errors import ConfigError, DataError
+from lordo.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+NANO = ["model.preset=nano", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=100", "train.steps=6",
+        "schedule.warmup_steps=1", "strategy.sync_every=3", "strategy.rank=4", "dist.workers=2", "data.vocab_size=512"]
+
+
+def run(tmp_path, name, *overrides):
+    cfg = build_config(overrides=[*NANO, f"data.dir={json.dumps(str(tmp_path / 'data'))}", *overrides])
+    return train(cfg, tmp_path / name, log=lambda _: None, stream=io.StringIO())
+
+
+def docs_corpus(tmp_path) -> Path:
+    """This project's documentation as a corpus: a folder of markdown files."""
+    folder = tmp_path / "texts"
+    shutil.copytree(ROOT / "docs", folder)
+    (folder / "notes.jsonl").write_text("\n".join(json.dumps({"text": f"note {i}: " + "word " * 50}) for i in range(40)))
+    return folder
+
+
+def test_a_folder_of_text_trains_and_its_tokens_train_to_the_same_loss(tmp_path):
+    folder = docs_corpus(tmp_path)
+    from_text = run(tmp_path, "text", f"data.corpus={json.dumps(str(folder))}")
+    spec = prepare.CorpusSpec(corpus=str(folder), vocab_size=512)
+    prepared = prepare.corpus_dir(tmp_path / "data", spec)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["settings"]["vocab_size"] == 512 and manifest["splits"]["val"]["documents"] > 0
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    for split in ("train", "val"):
+        shutil.copy(prepared / f"{split}.bin", tokens / f"{split}.bin")
+    from_tokens = run(tmp_path, "tokens", f"data.tokens={json.dumps(str(tokens))}")
+    assert from_tokens["val_loss"] == from_text["val_loss"]
+    a = torch.load(tmp_path / "text" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "tokens" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_tokenizer_file_of_your_own_sets_the_vocabulary(tmp_path, dataset):
+    folder = docs_corpus(tmp_path)
+    tokenizer = dataset.root / "tokenizer.json"  # the bundled corpus's 4096-token BPE
+    summary = run(tmp_path, "tok", f"data.corpus={json.dumps(str(folder))}", f"data.tokenizer={json.dumps(str(tokenizer))}")
+    assert summary["params"] > 4096 * 32  # the embedding has the tokenizer's 4096 rows, not data.vocab_size's 512
+    config = json.loads((tmp_path / "tok" / "config.json").read_text())
+    assert config["derived"]["vocab_size"] == 4096
+
+
+def test_uint32_token_files_with_a_large_vocabulary(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, 70_000, 20_000).astype(np.uint32).tofile(tokens / "train.bin")
+    rng.integers(0, 70_000, 2_000).astype(np.uint32).tofile(tokens / "val.bin")
+    summary = run(tmp_path, "big", f"data.tokens={json.dumps(str(tokens))}", 'data.token_dtype="uint32"',
+                  "data.vocab_size=70000", "train.steps=2")
+    assert summary["steps"] == 2 and np.isfinite(summary["val_loss"])
+
+
+@pytest.mark.parametrize("setup, overrides, message", [
+    (lambda d: d.mkdir(), [], r"holds no .txt, .md or .jsonl files"),
+    (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"text\x00\x01\x02")), [], r"a.txt is not text \(it holds NUL bytes\)"),
+    (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"caf\xe9 " * 100)), [], r"a.txt is not UTF-8 text"),
+    (lambda d: (d.mkdir(), (d / "a.jsonl").write_text('{"body": "x"}\n')), [], r"a.jsonl:1: each line .* \"text\" string"),
+    (lambda d: (d.mkdir(), (d / "a.txt").write_text("one short document")), [],
+     r"the split gave 1 train and 0 validation documents of 1; raise data.val_fraction"),
+])
+def test_bad_corpora_give_clear_errors(tmp_path, setup, overrides, message):
+    folder = tmp_path / "corpus"
+    setup(folder)
+    with pytest.raises(DataError, match=message):
+        run(tmp_path, "bad", f"data.corpus={json.dumps(str(folder))}", *overrides)
+
+
+def test_bad_token_files_give_clear_errors(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    np.arange(100, dtype=np.uint16).tofile(tokens / "train.bin")
+    with pytest.raises(DataError, match=r"val.bin is missing"):
+        run(tmp_path, "t", f"data.tokens={json.dumps(str(tokens))}")
+    np.array([1, 2, 600], dtype=np.uint16).tofile(tokens / "val.bin")
+    with pytest.raises(DataError, match=r"val.bin holds token id 600, not below data.vocab_size = 512"):
+        run(tmp_path, "t", f"data.tokens={json.dumps(str(tokens))}")
+    (tokens / "val.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DataError, match=r"3 bytes: not a whole number of uint16 tokens"):
+        run(tmp_path, "t", f"data.tokens={json.dumps(str(tokens))}")
+    with pytest.raises(ConfigError, match=r"data.vocab_size must be in \(1, 65536\] for uint16 token files"):
+        build_config(overrides=[f"data.tokens={json.dumps(str(tokens))}", "data.vocab_size=70000"])
+    with pytest.raises(DataError, match=r"data.tokenizer 'missing.json': no such file"):
+        run(tmp_path, "t", f"data.corpus={json.dumps(str(docs_corpus(tmp_path)))}", 'data.tokenizer="missing.json"')
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the large corpus's readers, on synthetic Debian packages
+
+
+def r_xdr(obj) -> bytes:
+    """R's XDR serialization (version 3) of str lists (character vectors) and {name: value} dicts (named
+    lists), written out independently of the reader under test."""
+    def item(x) -> bytes:
+        if isinstance(x, dict):
+            body = struct.pack(">ii", 19 | 1 << 9, len(x)) + b"".join(item(v) for v in x.values())
+            names = struct.pack(">i", 1) + charsxp("names")  # SYMSXP names
+            attributes = struct.pack(">i", 2 | 1 << 10) + names + item(list(x)) + struct.pack(">i", 254)
+            return body + attributes
+        if isinstance(x, list) and all(isinstance(v, str) for v in x):
+            return struct.pack(">ii", 16, len(x)) + b"".join(charsxp(v) for v in x)
+        if isinstance(x, tuple):  # an integer vector
+            return struct.pack(f">ii{len(x)}i", 13, len(x), *x)
+        raise TypeError(x)
+
+    def charsxp(s: str) -> bytes:
+        raw = s.encode()
+        return struct.pack(">ii", 9 | 1 << 15, len(raw)) + raw
+
+    header = b"X\n" + struct.pack(">iii", 3, 0x040201, 0x030500) + struct.pack(">i", 5) + b"UTF-8"
+    return header + item(obj)
+
+
+def make_deb(path: Path, files: dict[str, bytes]) -> Path:
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:xz") as tar:
+        for name, content in files.items():
+            info = tarfile.TarInfo("./" + name)
+            info.size = len(content)
+            tar.addfile(info, io.BytesIO(content))
+    members = [("debian-binary", b"2.0\n"), ("control.tar.xz", b""), ("data.tar.xz", data.getvalue())]
+    out = b"!<arch>\n"
+    for name, body in members:
+        out += f"{name + '/':<16}{0:<12}{0:<6}{0:<6}{'100644':<8}{len(body):<10}`\n".encode() + body + (b"\n" if len(body) % 2 else b"")
+    path.write_bytes(out)
+    return path
+
+
+def test_r_lazyload_database_reads_without_r():
+    books = {"emma": ["EMMA", "", "Emma Woodhouse, handsome, clever, and rich"], "persuasion": ["Sir Walter Elliot"]}
+    blobs, offsets, offset = [], {}, 0
+    for name, lines in books.items():
+        raw = r_xdr(lines)
+        blob = struct.pack(">i", len(raw)) + zlib.compress(raw)
+        offsets[name] = (offset, len(blob))
+        blobs.append(blob)
+        offset += len(blob)
+    index = gzip.compress(r_xdr({"variables": offsets, "references": [], "compressed": ["TRUE"]}))
+    assert lazyload_objects(index, b"".join(blobs)) == books
+    assert unserialize(r_xdr({"a": ["x", "y"]})) == {"pairlist": [("a", ["x", "y"])]}
+
+
+def test_every_debian_source_yields_documents_from_its_package(tmp_path):
+    austen = {"emma": ["Emma Woodhouse, handsome, clever, and rich, ..."] * 50}
+    raw = r_xdr(austen["emma"])
+    blob = struct.pack(">i", len(raw)) + zlib.compress(raw)
+    index = gzip.compress(r_xdr({"variables": {"emma": (0, len(blob))}, "references": []}))
+    packages = {
+        "r-cran-janeaustenr": {"usr/lib/R/site-library/janeaustenr/data/Rdata.rdx": index,
+                               "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb": blob},
+        "fortunes": {"usr/share/games/fortunes/wisdom": b"A fortune.\n%\nAnother one.\n%\n",
+                     "usr/share/games/fortunes/wisdom.dat": b"\x00\x01"},
+        "dict-gcide": {"usr/share/dictd/gcide.dict.dz": gzip.compress(b"Apple\n  A fruit.\n")},
+        "linux-doc-6.1": {"usr/share/doc/linux-doc-6.1/Documentation/PCI/acpi.rst.gz": gzip.compress(b"ACPI\n====\n")},
+        "python3.11-doc": {"usr/share/doc/python3.11/html/_sources/about.rst.txt": b"About these documents\n"},
+    }
+    found = {}
+    for source in DEB_SOURCES.values():
+        deb = make_deb(tmp_path / f"{source.package}_1.0_all.deb", packages[source.package])
+        found[source.name] = list(source.documents(dict(deb_members(deb))))
+    assert found["austen"][0][0] == "austen/emma#0" and "Emma Woodhouse" in found["austen"][0][1]
+    assert found["fortunes"] == [("fortunes/wisdom#0", "A fortune.\nAnother one.")]  # the .dat index is skipped
+    assert found["gcide"] == [("gcide#0", "Apple\n  A fruit.")]
+    assert found["linux-docs"] == [("linux-docs/PCI/acpi.rst.gz#0", "ACPI\n====")]
+    assert found["python-docs"] == [("python-docs/about.rst.txt#0", "About these documents")]
+    with pytest.raises(DataError, match="not a Debian package"):
+        list(deb_members(tmp_path / "wisdom.txt") if (tmp_path / "wisdom.txt").write_text("x") else [])
