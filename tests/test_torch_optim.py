@@ -188,3 +188,23 @@ def test_batchnorm_statistics_are_averaged_at_each_synchronisation():
     assert torch.equal(models[0][1].running_mean, models[1][1].running_mean)
     assert torch.equal(models[0][1].running_var, models[1][1].running_var)
     assert opt.ledger.table()["all_reduce:buffers"]["calls"] == 1
+
+
+@pytest.mark.parametrize("strategy", ["local-adam", "lordo"])
+def test_the_anchor_in_host_memory_trains_the_same_and_leaves_the_device(strategy):
+    runs = {}
+    for offload in (False, True):
+        models = [tiny_lm(), tiny_lm()]
+        opt = lordo.distributed(models, strategy, rank=4, sync_every=2, backend="sim", offload_anchor=offload)
+        for step in range(5):
+            for rank, m in enumerate(models):
+                loss_of(m, step, rank).backward()
+            opt.step()
+        opt.finish()
+        runs[offload] = ([p.detach().clone() for p in models[0].parameters()], opt.memory_report())
+    for a, b in zip(runs[False][0], runs[True][0]):
+        assert torch.equal(a, b)
+    on_device, off_device = runs[False][1], runs[True][1]
+    assert "anchor (host)" in off_device and "anchor" not in off_device
+    assert off_device["device_total"] == on_device["device_total"] - on_device["anchor"]
+    assert off_device["total"] == on_device["total"]

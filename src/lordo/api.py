@@ -111,6 +111,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for w in self.strategy.workers:  # the hyperparameters the groups hold now, into every inner optimizer
             for mine, theirs in zip(self.param_groups, w.optimizer.param_groups, strict=True):
                 theirs.update({k: v for k, v in mine.items() if k != "params"})
+        # a worker of several ranks steps as one: their gradients averaged first (nothing for one rank)
+        self.comm.average_within_worker(self.strategy.grads())
         self.last_stats = self.strategy.step()
         return loss
 
@@ -187,10 +189,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.comm.ledger
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state one worker holds, by category, with ``total`` and ``adamw`` (two fp32
-        moments of every trained parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
+        """Bytes of optimizer state one worker holds, by category (``... (host)``: kept in host memory), with
+        ``total``, ``device_total`` (on the training device) and ``adamw`` (two fp32 moments of every trained
+        parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
         report = dict(self.strategy.state_bytes())
         report["total"] = sum(report.values())
+        report["device_total"] = report["total"] - sum(v for k, v in report.items() if k.endswith("(host)"))
         report["adamw"] = 2 * 4 * sum(p.numel() for p in self.strategy.workers[0].params)
         return report
 
@@ -256,6 +260,7 @@ def distributed(
     lr: float | None = None,
     backend: str = "auto",
     timeout_s: float = 300.0,
+    ranks_per_worker: int = 1,
     **options: Any,
 ) -> DistributedOptimizer:
     """Wrap ``model`` (this process's replica) in a distributed optimizer.
@@ -278,13 +283,17 @@ def distributed(
     ``backend``: ``auto`` uses torch.distributed when a process group is initialised or torchrun started the
     process (gloo for CPU parameters, nccl for CUDA ones), else one worker; ``sim`` with a list of replicas
     simulates ``len(model)`` workers in this process; ``gloo``/``nccl`` force torch.distributed.
+    ``ranks_per_worker``: under torch.distributed, how many consecutive ranks form one LoRDO worker (a node:
+    synchronous inside, gradients averaged every step; LoRDO between workers). With 2 nodes × 8 GPUs,
+    ``ranks_per_worker=8`` makes 2 workers.
     """
     models: list[nn.Module] = [model] if isinstance(model, nn.Module) else list(model)
     if not models or not all(isinstance(m, nn.Module) for m in models):
         raise ConfigError("model must be an nn.Module, or a non-empty list of replicas for the simulator")
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    tree: dict[str, dict[str, Any]] = {"optim": {"lr": lr or 0.0}, "strategy": {"name": strategy}, "dist": {"timeout_s": timeout_s}}
+    tree: dict[str, dict[str, Any]] = {"optim": {"lr": lr or 0.0}, "strategy": {"name": strategy},
+                                       "dist": {"timeout_s": timeout_s, "ranks_per_worker": ranks_per_worker}}
     for key, value in options.items():
         if key in _STRATEGY_KEYS:
             tree["strategy"][key] = value
@@ -301,7 +310,9 @@ def distributed(
     if first is None:
         raise ConfigError("the model has no parameters")
     device = first.device.type
-    comm = make_communicator(backend, len(models), timeout_s, device)
+    if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
+        raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
+    comm = make_communicator(backend, len(models), timeout_s, device, ranks_per_worker)
     if len(models) > 1 and len(comm.local_ranks) != len(models):
         comm.close()
         raise ConfigError(

@@ -387,6 +387,41 @@ def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size:
     return {"preset": preset, "steps": steps, "rank": rank, "workers": workers, "batch_size": batch_size, "rows": rows}
 
 
+MEMORY_CASES: tuple[tuple[str, list[str]], ...] = (
+                ("lordo", []), ("lordo, bf16 error feedback", ['strategy.error_feedback_dtype="bfloat16"']),
+                ("lordo, bf16 error feedback, anchor in host memory",
+                 ['strategy.error_feedback_dtype="bfloat16"', "strategy.offload_anchor=true"]))
+
+
+def memory_benchmark(shapes: list[tuple[str, int | None, int | None]]) -> dict[str, Any]:
+    """Optimizer-related bytes one worker keeps on the training device (moments, bases, error feedback,
+    anchor, ...), against AdamW's two fp32 moments, at r = min(p, q)/8 of each shape's block matrices.
+    Counted from the state's shapes (``memory_report``): the same on any device."""
+    from .api import DistributedOptimizer
+    from .comm import SimCommunicator
+    from .train.loop import build_model
+
+    rows = []
+    for preset, d_model, layers in shapes:
+        overrides = [f'model.preset="{preset}"']
+        if d_model:
+            overrides += [f"model.d_model={d_model}", f"model.n_heads={max(1, d_model // 64)}"]
+        if layers:
+            overrides.append(f"model.n_layers={layers}")
+        base = build_config(overrides=overrides)
+        vocab = 4096 if d_model is None else 32000
+        rank = base.model.d_model // 8  # min(p, q) of every block matrix is d_model
+        model = build_model(base, vocab)
+        label = preset if d_model is None else f"d{d_model} x {layers} layers"
+        for name, extra in MEMORY_CASES:
+            cfg = build_config(overrides=[*overrides, f"strategy.rank={rank}", *extra])
+            report = DistributedOptimizer([model], cfg, SimCommunicator(1)).memory_report()
+            rows.append({"shape": label, "params": model.num_params(), "rank": rank, "name": name,
+                         "device_bytes": report["device_total"], "adamw_bytes": report["adamw"],
+                         "device_vs_adamw": report["device_total"] / report["adamw"], "by_category": report})
+    return {"machine": machine(), "rows": rows}
+
+
 WIRE_CASES = (("ddp", "none"), ("lowrank-ddp", "none"), ("local-adam", "none"), ("lordo", "none"), ("lordo", "bf16"),
               ("lordo", "int8"), ("lordo", "int4"))
 PER_STEP_TAGS = ("gradient", "projected_gradient")  # sent every step; everything else once per sync period
@@ -455,6 +490,9 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--preset", default="micro")
     w.add_argument("--rank", type=int, default=16)
     w.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
+    m = sub.add_parser("memory", help="optimizer-related device memory against AdamW's, at r = min(p, q)/8")
+    m.add_argument("--shapes", default="micro,paper-16m,d768x12",
+                   help="comma-separated presets or dMODELxLAYERS shapes (vocabulary 32000 for the latter)")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro")
     r.add_argument("--steps", type=int, default=64)
@@ -464,7 +502,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--strategies", default=",".join(STRATEGIES))
     r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    for q in (s, b, w, r):
+    for q in (s, b, w, m, r):
         q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
         q.add_argument("--data-dir", default="data")
     return ap
@@ -489,6 +527,19 @@ def main(argv: list[str]) -> int:
         res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
         suffix = "" if device.type == "cpu" else f"-{device.type}"
         write_json(out or Path(f"benchmarks/results/basis-{args.preset}{suffix}.json"), res)
+    elif args.what == "memory":
+        shapes: list[tuple[str, int | None, int | None]] = []
+        for item in (x for x in args.shapes.split(",") if x):
+            if item.startswith("d") and "x" in item:
+                d, layers = item[1:].split("x")
+                shapes.append(("micro", int(d), int(layers)))
+            else:
+                shapes.append((item, None, None))
+        res = memory_benchmark(shapes)
+        print_table("optimizer-related bytes on the training device, one worker, r = min(p, q)/8", res["rows"],
+                    [("shape", "shape", "s"), ("params", "params", ","), ("name", "state", "s"),
+                     ("device_bytes", "device bytes", ","), ("device_vs_adamw", "× AdamW", ".2f")])
+        write_json(out or Path("benchmarks/results/memory.json"), res)
     elif args.what == "wire":
         worlds = tuple(int(x) for x in args.workers.split(",") if x)
         if not worlds or min(worlds) < 2:

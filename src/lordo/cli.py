@@ -55,8 +55,8 @@ def _train(args: argparse.Namespace) -> int:
         out = Path("runs") / f"{cfg.model.preset}-{cfg.strategy.name}-{stamp}"
     if cfg.dist.backend in ("gloo", "nccl") and not launched_by_torchrun():
         assert out is not None
-        print(f"starting {cfg.dist.workers} {cfg.dist.backend} worker processes", file=sys.stderr)
-        launch_local(worker_command(args.argv), cfg.dist.workers, out=str(out))
+        print(f"starting {cfg.dist.workers * cfg.dist.ranks_per_worker} {cfg.dist.backend} processes", file=sys.stderr)
+        launch_local(worker_command(args.argv), cfg.dist.workers * cfg.dist.ranks_per_worker, out=str(out))
         summary = json.loads((out / "summary.json").read_text())
     else:
         summary = train(cfg, out)

@@ -233,6 +233,8 @@ class StrategyConfig(_Section):
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "
                                    "state LoRDO keeps): float32, or bfloat16 to halve it",
                                    _choice("float32", "bfloat16"))
+    offload_anchor: bool = _f(False, "keep the anchor (the model at the last synchronisation) in host memory, pinned "
+                              "when a GPU is present, instead of on the training device (local-update strategies)")
     sync_buffers: bool = _f(True, "average the models' persistent buffers (BatchNorm statistics, ...) over the workers "
                             "at each synchronisation (every step for ddp and lowrank-ddp)")
     lowrank_pattern: str = _f("auto", "which 2-D parameters are trained low-rank: auto (the block matrices: attention "
@@ -249,6 +251,9 @@ class StrategyConfig(_Section):
 class DistConfig(_Section):
     _name = "dist"
     workers: int = _f(1, "M: data-parallel workers (simulated, or processes started by lordo/torchrun)", _positive)
+    ranks_per_worker: int = _f(1, "processes per worker (a node, a cluster: synchronous inside, gradients averaged "
+                               "every step; LoRDO between workers); torch.distributed only, M x this many processes",
+                               _positive)
     backend: str = _f("auto", "sim = M workers in this process; gloo/nccl = torch.distributed; auto = torch.distributed "
                       "under torchrun (gloo on CPU, nccl on CUDA), else sim", _choice("auto", "sim", "gloo", "nccl"))
     timeout_s: float = _f(300.0, "seconds a collective may wait for a peer before the run fails", _positive)
@@ -258,7 +263,9 @@ class DistConfig(_Section):
 class CommConfig(_Section):
     _name = "comm"
     latency_s: float = _f(1e-4, "per-collective latency of the modelled network", _non_negative)
-    bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) at which the wall-clock is modelled")
+    bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) between workers at which the wall-clock is modelled")
+    intra_bandwidth_gbit: float = _f(100.0, "bandwidth (Gbit/s) of the link inside a worker (dist.ranks_per_worker > 1)",
+                                     _positive)
 
 
 @dataclass(kw_only=True)

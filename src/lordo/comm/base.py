@@ -41,6 +41,23 @@ class Communicator(ABC):
         """True in one process per machine: the one that prepares local files such as the corpus."""
         return True
 
+    # A worker may be a group of ranks (WorkerGroupCommunicator): synchronous inside, LoRDO between groups.
+    # For one process per worker (or the simulator) these are the trivial answers.
+
+    intra_ledger: Ledger | None = None  # traffic inside a worker (its fast link), when a worker has several ranks
+
+    def data_shards(self) -> list[tuple[int, int]]:
+        """(shard, of how many) of the training data each hosted worker reads: every rank reads its own."""
+        return [(r, self.world_size) for r in self.local_ranks]
+
+    @property
+    def writes_worker_files(self) -> bool:
+        """Whether this process writes its hosted workers' checkpoint files (one rank per worker does)."""
+        return True
+
+    def average_within_worker(self, grads: TensorLists) -> None:  # noqa: B027 (a no-op unless a worker has ranks)
+        """Average each hosted worker's gradients over its ranks (every step; nothing with one rank)."""
+
     def _check(self, per_worker: TensorLists) -> list[torch.Tensor]:
         if len(per_worker) != len(self.local_ranks):
             raise ValueError(f"expected tensors for {len(self.local_ranks)} hosted workers, got {len(per_worker)}")

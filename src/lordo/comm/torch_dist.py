@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import time
 
 import torch
 import torch.distributed as dist
 
 from ..errors import LordoError
-from .base import Communicator, TensorLists
+from .base import Communicator, TensorLists, payload_bytes
+from .ledger import Ledger, broadcast_children
 
 
 class CommError(LordoError):
@@ -26,6 +28,70 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ENV_KEYS)
+
+
+def _buckets(tensors) -> list[list[torch.Tensor]]:
+    """Tensors grouped by dtype and device: one flat buffer per group goes through each collective."""
+    buckets: dict = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    return list(buckets.values())
+
+
+class GroupOps:
+    """Bucketed collectives over one process group (``None``: all processes), whose members' global ranks are
+    ``ranks``, in group order; ``run`` wraps each call into a CommError on failure."""
+
+    def __init__(self, group, ranks: list[int], run) -> None:
+        self.group, self.ranks, self.run = group, ranks, run
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @torch.no_grad()
+    def all_reduce_mean(self, tensors) -> None:
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.group)
+            flat /= self.size
+            _unflatten(flat, bucket)
+
+    @torch.no_grad()
+    def all_gather(self, tensors) -> list[list[torch.Tensor]]:
+        result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(self.size)]
+        index = {id(t): i for i, t in enumerate(tensors)}
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            outs = [torch.empty_like(flat) for _ in range(self.size)]
+            self.run("all_gather", dist.all_gather, outs, flat, group=self.group)
+            for member, out in enumerate(outs):
+                offset = 0
+                for t in bucket:
+                    result[member][index[id(t)]] = out[offset : offset + t.numel()].view_as(t)
+                    offset += t.numel()
+        return [[t for t in row if t is not None] for row in result]
+
+    @torch.no_grad()
+    def all_to_all(self, chunks) -> list[torch.Tensor]:
+        received = torch.empty((self.size, *chunks[0].shape), dtype=chunks[0].dtype, device=chunks[0].device)
+        self.run("all_to_all", dist.all_to_all_single, received, torch.stack(list(chunks)), group=self.group)
+        return list(received.unbind(0))
+
+    @torch.no_grad()
+    def broadcast(self, tensors, src: int) -> None:
+        """From the group's member ``src`` (its index in the group)."""
+        for bucket in _buckets(tensors):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self.run("broadcast", dist.broadcast, flat, src=self.ranks[src], group=self.group)
+            _unflatten(flat, bucket)
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 class TorchDistCommunicator(Communicator):
@@ -61,6 +127,7 @@ class TorchDistCommunicator(Communicator):
         super().__init__(world, [rank])
         self.backend = backend
         self.rank = rank
+        self.ops = GroupOps(None, list(range(world)), self._run)
 
     @property
     def is_node_main(self) -> bool:
@@ -92,58 +159,21 @@ class TorchDistCommunicator(Communicator):
                 f"(timeout {self.timeout.total_seconds():.0f}s). Cause: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from exc
 
-    @staticmethod
-    def _buckets(tensors) -> dict:
-        buckets: dict = {}
-        for t in tensors:
-            buckets.setdefault((t.dtype, t.device), []).append(t)
-        return buckets
-
     @torch.no_grad()
     def _all_reduce_mean(self, per_worker: TensorLists) -> None:
-        (tensors,) = per_worker
-        for group in self._buckets(tensors).values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self._run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM)
-            flat /= self.world_size
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        self.ops.all_reduce_mean(per_worker[0])
 
     @torch.no_grad()
     def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
-        (tensors,) = per_worker
-        result: list[list[torch.Tensor | None]] = [[None] * len(tensors) for _ in range(self.world_size)]
-        index = {id(t): i for i, t in enumerate(tensors)}
-        for group in self._buckets(tensors).values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            outs = [torch.empty_like(flat) for _ in range(self.world_size)]
-            self._run("all_gather", dist.all_gather, outs, flat)
-            for rank, out in enumerate(outs):
-                offset = 0
-                for t in group:
-                    result[rank][index[id(t)]] = out[offset : offset + t.numel()].view_as(t)
-                    offset += t.numel()
-        return [[[t for t in row if t is not None] for row in result]]
+        return [self.ops.all_gather(per_worker[0])]
 
     @torch.no_grad()
     def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
-        (chunks,) = per_worker
-        received = torch.empty((self.world_size, *chunks[0].shape), dtype=chunks[0].dtype, device=chunks[0].device)
-        self._run("all_to_all", dist.all_to_all_single, received, torch.stack(list(chunks)))
-        return [list(received.unbind(0))]
+        return [self.ops.all_to_all(per_worker[0])]
 
     @torch.no_grad()
     def _broadcast(self, per_worker: TensorLists, src: int) -> None:
-        (tensors,) = per_worker
-        for group in self._buckets(tensors).values():
-            flat = torch.cat([t.reshape(-1) for t in group])
-            self._run("broadcast", dist.broadcast, flat, src=src)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+        self.ops.broadcast(per_worker[0], src)
 
     def agree(self, flags: list[bool]) -> list[bool]:
         device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
@@ -168,3 +198,115 @@ class TorchDistCommunicator(Communicator):
     def close(self) -> None:
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class WorkerGroupCommunicator(Communicator):
+    """A LoRDO worker made of ``ranks_per_worker`` processes (a node, a cluster): synchronous inside, like DDP
+    (gradients averaged over the worker's ranks every step, on its fast link), and one LoRDO worker to the
+    others. Ranks ``w·R … w·R + R − 1`` form worker w. Collectives between workers run among the workers'
+    first ranks (the leaders, the only traffic on the slow link) and their results are broadcast inside each
+    worker, so every rank of a worker holds the same model and state. ``ledger`` counts the slow link (a
+    leader's bytes), ``intra_ledger`` the fast one."""
+
+    def __init__(self, base: TorchDistCommunicator, ranks_per_worker: int) -> None:
+        world, rank, r = base.world_size, base.rank, ranks_per_worker
+        if r < 1 or world % r:
+            raise CommError(f"dist.ranks_per_worker ({r}) must divide the number of processes ({world})")
+        self.base, self.ranks_per_worker = base, r
+        self.worker, self.member = rank // r, rank % r
+        workers = world // r
+        intra_groups = [list(range(w * r, (w + 1) * r)) for w in range(workers)]
+        leaders = list(range(0, world, r))
+        # every process creates every group, in the same order (torch.distributed's rule)
+        handles = [dist.new_group(g, timeout=base.timeout) for g in intra_groups]
+        leader_group = dist.new_group(leaders, timeout=base.timeout)
+        self.intra = GroupOps(handles[self.worker], intra_groups[self.worker], base._run)
+        self.inter = GroupOps(leader_group, leaders, base._run) if self.member == 0 else None
+        super().__init__(workers, [self.worker])
+        self.ledger.rank = self.worker
+        self.intra_ledger = Ledger(r, rank=self.member)
+        self.backend, self.rank = base.backend, rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_node_main(self) -> bool:
+        return self.base.is_node_main
+
+    @property
+    def writes_worker_files(self) -> bool:
+        return self.member == 0
+
+    def data_shards(self) -> list[tuple[int, int]]:
+        return [(self.rank, self.base.world_size)]
+
+    def _share(self, tensors, tag: str) -> None:
+        """The leader's tensors to every rank of its worker (fast link)."""
+        t0 = time.perf_counter()
+        self.intra.broadcast(tensors, 0)
+        size = payload_bytes(tensors)
+        self.intra_ledger.record("broadcast", tag, size, len(tensors), time.perf_counter() - t0,  # type: ignore[union-attr]
+                                 wire=broadcast_children(self.member, self.ranks_per_worker) * size)
+
+    def average_within_worker(self, grads: TensorLists) -> None:
+        (tensors,) = grads
+        if self.ranks_per_worker == 1 or not tensors:
+            return
+        t0 = time.perf_counter()
+        self.intra.all_reduce_mean(tensors)
+        self.intra_ledger.record("all_reduce", "gradient", payload_bytes(tensors), len(tensors),  # type: ignore[union-attr]
+                                 time.perf_counter() - t0)
+
+    def all_reduce_mean(self, per_worker: TensorLists, tag: str, accounted: bool = True) -> None:
+        if not accounted:  # outside the algorithm (evaluation, logging): the mean over every process
+            self.base.ops.all_reduce_mean(per_worker[0])
+            return
+        super().all_reduce_mean(per_worker, tag, accounted)
+
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        (tensors,) = per_worker
+        if self.inter is not None:
+            self.inter.all_reduce_mean(tensors)
+        self._share(tensors, "between_workers")
+
+    @torch.no_grad()
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        (tensors,) = per_worker
+        if self.inter is not None:
+            self.inter.broadcast(tensors, src)
+        self._share(tensors, "between_workers")
+
+    @torch.no_grad()
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        (tensors,) = per_worker
+        if self.inter is not None:
+            gathered = self.inter.all_gather(tensors)
+        else:
+            gathered = [[torch.empty_like(t) for t in tensors] for _ in range(self.world_size)]
+        self._share([t for row in gathered for t in row], "between_workers")
+        return [gathered]
+
+    @torch.no_grad()
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        (chunks,) = per_worker
+        received = self.inter.all_to_all(chunks) if self.inter is not None else [torch.empty_like(c) for c in chunks]
+        self._share(received, "between_workers")
+        return [received]
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        return self.base.agree(flags)
+
+    def agree_min(self, value: int) -> int:
+        return self.base.agree_min(value)
+
+    def share_text(self, text: str) -> str:
+        return self.base.share_text(text)
+
+    def barrier(self) -> None:
+        self.base.barrier()
+
+    def close(self) -> None:
+        self.base.close()

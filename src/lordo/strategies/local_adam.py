@@ -40,14 +40,17 @@ class LocalUpdateStrategy(Strategy):
     e.g. ``lambda a: torch.optim.SGD(a, lr=0.7, momentum=0.9, nesterov=True)`` for DiLoCo).
     ``average_moments``: none | all (every parameter's ``exp_avg``/``exp_avg_sq``); ``moment_periods``: steps
     between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 | int4 payloads, with
-    ``compression_feedback`` keeping what compressing the pseudo-gradient lost for the next round."""
+    ``compression_feedback`` keeping what compressing the pseudo-gradient lost for the next round.
+    ``offload_anchor``: keep the anchor in host memory (pinned when a GPU is present), copied to the device one
+    tensor at a time at each synchronisation: the device holds no full-size copy of the model for it."""
 
     name = "local-adam"
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[torch.optim.Optimizer],
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
-                 compression_feedback: bool = True, grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
+                 compression_feedback: bool = True, grad_clip: float = 0.5, sync_buffers: bool = True,
+                 offload_anchor: bool = False) -> None:
         super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
         if average_moments not in AVERAGED:
@@ -64,6 +67,10 @@ class LocalUpdateStrategy(Strategy):
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
         # the outer optimizer with the averaged pseudo-gradient as its gradient
         self.anchor = [p.detach().clone() for p in self.workers[0].params]
+        self.offload_anchor = offload_anchor
+        if offload_anchor:  # in host memory (pinned, for asynchronous copies, when a GPU is there), as torchft keeps it
+            pin = torch.cuda.is_available()
+            self.anchor = [a.to("cpu", copy=True).pin_memory() if pin else a.to("cpu", copy=True) for a in self.anchor]
         self.outer = outer_optimizer(self.anchor)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
@@ -122,8 +129,12 @@ class LocalUpdateStrategy(Strategy):
     def synchronise(self) -> dict[str, float]:
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         for w in self.workers:
-            torch._foreach_sub_(w.params, self.anchor)
-            torch._foreach_neg_(w.params)
+            if self.offload_anchor:  # one tensor at a time on the device: the anchor is never there whole
+                for p, a in zip(w.params, self.anchor):
+                    p.sub_(a.to(p.device, non_blocking=True)).neg_()
+            else:
+                torch._foreach_sub_(w.params, self.anchor)
+                torch._foreach_neg_(w.params)
         pseudo = [[p.data for p in w.params] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
@@ -138,7 +149,7 @@ class LocalUpdateStrategy(Strategy):
         stats = {"synced": 1.0, "pseudo_grad_norm": float(torch.nn.utils.get_total_norm(delta))}
         stats.update(self.after_average(delta))
         for a, d in zip(self.anchor, delta, strict=True):
-            a.grad = d
+            a.grad = d if d.device == a.device else d.to(a.device)
         self.outer.step()
         for a in self.anchor:
             a.grad = None
@@ -151,7 +162,11 @@ class LocalUpdateStrategy(Strategy):
     @torch.no_grad()
     def _restore_from_anchor(self) -> None:
         for w in self.workers:
-            torch._foreach_copy_(w.params, self.anchor)
+            if self.offload_anchor:
+                for p, a in zip(w.params, self.anchor):
+                    p.copy_(a, non_blocking=True)
+            else:
+                torch._foreach_copy_(w.params, self.anchor)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -200,7 +215,7 @@ class LocalUpdateStrategy(Strategy):
 
     def state_bytes(self) -> dict[str, int]:
         out = self.optimizer_bytes()
-        out["anchor"] = tensor_bytes(self.anchor)
+        out["anchor (host)" if self.offload_anchor else "anchor"] = tensor_bytes(self.anchor)
         outer = tensor_bytes(t for s in self.outer.state.values() for t in s.values())
         if outer:
             out["outer_optimizer"] = outer

@@ -127,7 +127,8 @@ class Checkpointer:
                 partial.mkdir(parents=True)
             self.comm.barrier()
             for rank, state in zip(self.comm.local_ranks, workers, strict=True):
-                _save_tensor_file(partial / worker_file(rank), state)
+                if self.comm.writes_worker_files:  # one rank per worker: its ranks hold the same state
+                    _save_tensor_file(partial / worker_file(rank), state)
             if self.comm.is_main:
                 _save_tensor_file(partial / "shared.pt", shared)
         except OSError as exc:
@@ -264,6 +265,8 @@ RESUMABLE_CHANGES = {
     ("dist", "timeout_s"),
     ("comm", "latency_s"),
     ("comm", "bandwidths_gbit"),
+    ("comm", "intra_bandwidth_gbit"),
+    ("strategy", "offload_anchor"),
 }
 
 
@@ -279,6 +282,8 @@ ADDED_FIELDS = {
     ("data", "tokens"): "",
     ("data", "token_dtype"): "uint16",
     ("data", "tokenizer"): "bpe",
+    ("dist", "ranks_per_worker"): 1,
+    ("strategy", "offload_anchor"): False,
 }
 
 

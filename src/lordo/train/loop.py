@@ -83,7 +83,7 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(t.device)
-    comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type)
+    comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker)
     try:
         out = _output_folder(cfg, out_dir, comm)
         with _locked(out, comm):
@@ -185,8 +185,9 @@ class Trainer:
         t = cfg.train
         if comm.world_size != cfg.dist.workers and cfg.dist.workers != 1:
             raise ConfigError(
-                f"dist.workers is {cfg.dist.workers} but the launcher started {comm.world_size} processes; "
-                "set dist.workers to the launcher's world size (or leave it at 1 under torchrun)"
+                f"dist.workers is {cfg.dist.workers} but the launcher started {comm.world_size * cfg.dist.ranks_per_worker} "
+                f"processes ({cfg.dist.ranks_per_worker} per worker); set dist.workers to the number of processes / "
+                "dist.ranks_per_worker (or leave it at 1 under torchrun)"
             )
         self.cfg, self.out, self.comm, self.device, self.stream = cfg, out, comm, device, stream
         self.main = comm.is_main
@@ -200,12 +201,13 @@ class Trainer:
         # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
         self.optimizer = DistributedOptimizer(self.models, cfg, comm)
         self.forwards = [torch.compile(m) if t.compile else m for m in self.models]
-        self.samplers = [BatchSampler(self.data.train, cfg.model.seq_len, t.batch_size, t.seed, r, comm.world_size)
-                         for r in comm.local_ranks]
+        # every rank reads its own shard of the data (several per worker when a worker is a group of ranks)
+        self.samplers = [BatchSampler(self.data.train, cfg.model.seq_len, t.batch_size, t.seed, shard, shards)
+                         for shard, shards in comm.data_shards()]
         self.val = eval_batches(self.data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
         # between synchronisations the workers' models differ: evaluations score their average, in a spare
         self.spare = copy.deepcopy(self.models[0]) if t.eval_model == "average" and comm.world_size > 1 else None
-        self.tokens_per_step = comm.world_size * t.batch_size * cfg.model.seq_len  # over all workers
+        self.tokens_per_step = comm.data_shards()[0][1] * t.batch_size * cfg.model.seq_len  # over all ranks
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
         self.state = RunState(schedule_steps=t.steps)

@@ -18,7 +18,10 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
     steps = cfg.train.steps
     ledger = comm.ledger
     report = trainer.optimizer.comm_report()
-    compute_s = max(0.0, state.train_s - ledger.comm_s) / len(comm.local_ranks)  # per worker
+    intra = comm.intra_ledger  # a worker of several ranks: their traffic on the worker's own (fast) link
+    intra_s = intra.modeled_comm_s(cfg.comm.intra_bandwidth_gbit * 1e9, cfg.comm.latency_s) if intra else 0.0
+    measured_s = ledger.comm_s + (intra.comm_s if intra else 0.0)
+    compute_s = max(0.0, state.train_s - measured_s) / len(comm.local_ranks)  # per worker
     summary = {
         "strategy": cfg.strategy.name,
         "model": cfg.model.preset,
@@ -46,11 +49,15 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "comm_ratio_to_ddp": report["ratio_to_ddp"],  # wire bytes against ddp's
         "comm_payload_ratio_to_ddp": report["payload_ratio_to_ddp"],
         "compute_s_per_worker": compute_s,
-        "measured_comm_s": ledger.comm_s,
+        "measured_comm_s": measured_s,
         "modeled_wall_s": {
-            f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) for bw in cfg.comm.bandwidths_gbit
+            f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) + intra_s
+            for bw in cfg.comm.bandwidths_gbit
         },
         "latency_s": cfg.comm.latency_s,
+        "ranks_per_worker": cfg.dist.ranks_per_worker,
+        "intra_worker_wire_bytes_total": intra.total_wire_bytes if intra else 0,
+        "intra_worker_by_collective": intra.table() if intra else {},
         "skipped_steps": state.skipped,
         "resumed_from_step": resumed_from,
         "out_dir": str(trainer.out),
