@@ -47,6 +47,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
     in them (``lr``, ``weight_decay``, ``betas``, ...) is what the next step uses. ``GradScaler.step(opt)``
     works: gradients are unscaled here, and a step with inf/NaN gradients on any worker is skipped on every
     worker. Build it with :func:`distributed`; ``lordo train`` builds it from a :class:`~lordo.config.Config`.
+
+    A scheduler and mixed precision, as with any torch optimizer (docs/integrations.md runs this pattern)::
+
+        opt = lordo.distributed(model, "lordo", lr=3e-3)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+        scaler = torch.amp.GradScaler("cuda")  # float16 autocast only; bfloat16 needs none
+        for batch in batches:
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            schedule.step()
+        opt.finish()
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf; see step()
