@@ -31,6 +31,7 @@ from .config import Config, OptimConfig, StrategyConfig, build_config
 from .errors import ConfigError
 from .model.params import ParamGroup, group_by_module, group_parameters
 from .strategies import STRATEGIES, Strategy, build_strategy
+from .strategies.base import refuse_sharded
 
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
 _STRATEGY_KEYS = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
@@ -79,6 +80,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
             )
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
+        refuse_sharded(self.models)
         # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast)
         comm.broadcast([[p.data for p in m.parameters()] for m in self.models], tag="init")
         if groups is None:

@@ -51,6 +51,17 @@ class Worker:
     shard_residual: torch.Tensor | None = None  # what re-encoding the mean of its shard lost (block codecs)
 
 
+def refuse_sharded(models: Sequence[nn.Module]) -> None:
+    """A clear error for parameters sharded across ranks (FSDP2's DTensor): not supported yet."""
+    sharded = [n for m in models for n, p in m.named_parameters() if type(p).__name__ == "DTensor"]
+    if sharded:
+        raise ConfigError(
+            f"parameters sharded across ranks (DTensor, e.g. from FSDP2's fully_shard) are not supported yet: "
+            f"{', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}. Give every rank the whole model and make "
+            "several ranks one LoRDO worker with ranks_per_worker (docs/multi-node.md)"
+        )
+
+
 def check_workers(models: Sequence[nn.Module], comm: Communicator,
                   optimizers: Sequence[torch.optim.Optimizer]) -> list[Worker]:
     """One :class:`Worker` per hosted replica; every trainable parameter must be in its optimizer (a
@@ -59,6 +70,7 @@ def check_workers(models: Sequence[nn.Module], comm: Communicator,
         raise ConfigError(f"{len(models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)")
     if len(optimizers) != len(models):
         raise ConfigError(f"optimizers: one per model replica, got {len(optimizers)} for {len(models)}")
+    refuse_sharded(models)
     workers = []
     for rank, model, opt in zip(comm.local_ranks, models, optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
