@@ -79,9 +79,8 @@ def test_worker_groups_need_torch_distributed():
 
 
 def fsdp2_worker():
-    from torch.distributed.fsdp import fully_shard
-
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     try:

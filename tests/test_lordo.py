@@ -176,7 +176,7 @@ def test_memory_by_category():
     assert got["lowrank_moments"] == 4 * 2 * sum(max(s) * 2 for s in low)
     assert got["full_rank_moments"] == 4 * 2 * (n_all - n_low)
     assert got["bases"] == 4 * sum(min(s) * 2 for s in low)
-    assert got["error_feedback"] == 4 * n_low
+    assert got["error_feedback"] == 4 * n_low + 4 * sum(max(s) * 2 for s in low)  # E and proj(E), one moment's size
     assert got["anchor"] == 4 * n_all
 
 

@@ -229,7 +229,8 @@ def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit():
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     state = opt.state_dict()["state"][0]
-    assert set(state) == {"step", "basis", "exp_avg", "exp_avg_sq", "error_feedback", "error_feedback_deferred"}
+    assert set(state) == {"step", "basis", "exp_avg", "exp_avg_sq", "error_feedback", "error_feedback_deferred",
+                          "error_feedback_inside"}  # the default full-rank term reads G + E: proj(E) kept beside it
     assert state["error_feedback_deferred"] is True  # the buffer holds the running sum (see project_gradients)
 
 
@@ -241,8 +242,10 @@ def test_state_bytes_by_category():
         "lowrank_moments": 2 * 64 * 2 * 4,
         "full_rank_moments": 2 * 16 * 4,
         "bases": 16 * 2 * 4,
-        "error_feedback": 64 * 16 * 4,
+        "error_feedback": 64 * 16 * 4 + 64 * 2 * 4,  # E, and proj(E) that the default full-rank term reads
     }
+    opt = LowRankQHAdam([{"params": [w], "rank": 2}], qh_source="grad")
+    assert opt.state_bytes()["error_feedback"] == 64 * 16 * 4
 
 
 def test_optimizer_package_never_imports_torch_distributed():

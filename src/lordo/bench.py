@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -152,8 +153,15 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
                                               foreach=None if fused else True)
 
     cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
-    gs, _, _ = replica()
-    optimizers["lordo (LowRankQHAdam)"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
+    forms: dict[str, dict[str, Any]] = {  # the default full-rank term (G + E, what it applied removed from E), others
+        "lordo (LowRankQHAdam)": {},
+        "lordo, G + E kept": {"error_feedback_after_qh": "keep"},
+        "lordo, qh_source=grad": {"qh_source": "grad"},
+    }
+    for label, changes in forms.items():
+        gs, _, _ = replica()
+        s = dataclasses.replace(cfg.strategy, **changes)
+        optimizers[label] = make_lowrank_optimizer(gs, s, cfg.optim, omega=s.omega)
     gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
     optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
                                                                      error_feedback=False)

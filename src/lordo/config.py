@@ -216,12 +216,12 @@ class StrategyConfig(_Section):
     basis_method: str = _f("subspace", "how bases are computed at a synchronisation: subspace (iteration warm-started from "
                            "the previous basis: 16-19x faster, the same quality in docs/performance.md) or exact svd "
                            "(initial bases are always exact)", _choice("svd", "subspace"))
-    qh_source: str = _f("grad", "full-rank QH term from the clipped gradient G (the paper's notation) or G + error "
-                        "feedback (grad+error: the research code)", _choice("grad", "grad+error"))
-    error_feedback_after_qh: str = _f("keep", "with qh_source = grad+error: what the full-rank term applied of the error "
-                                      "feedback E each step stays in E (keep: the research code; E can grow while a "
-                                      "basis stays) or is removed from it (remove: E <- omega * E, bounded)",
-                                      _choice("keep", "remove"))
+    qh_source: str = _f("grad+error", "input of the full-rank QH term: G + error feedback (grad+error, the research "
+                        "code's form and the default: it moves the global basis) or the clipped gradient G alone (grad, the "
+                        "paper's notation: the basis barely moves; docs/results.md)", _choice("grad", "grad+error"))
+    error_feedback_after_qh: str = _f("remove", "with qh_source = grad+error: what the full-rank term applied of the "
+                                      "error feedback E each step is removed from E (remove, the default: E <- omega * E, "
+                                      "bounded) or stays in it too (keep: the research code)", _choice("keep", "remove"))
     basis_iterations: int = _f(1, "subspace-iteration steps per basis refresh (basis_method = subspace)", _positive)
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
                        "(pseudo-gradient and moments all-reduced in bfloat16), int8 or int4 (pseudo-gradient quantised in "

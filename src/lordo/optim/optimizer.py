@@ -89,10 +89,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
         omega: float = 0.98,
         rank: int | None = None,
         error_feedback: bool = True,
-        qh_source: str = "grad",
+        qh_source: str = "grad+error",
         basis_method: str = "svd",
         error_feedback_dtype: torch.dtype | None = None,
-        error_feedback_after_qh: str = "keep",
+        error_feedback_after_qh: str = "remove",
         basis_iterations: int = 1,
     ) -> None:
         defaults = dict(
