@@ -89,7 +89,7 @@ def test_corrupt_token_file_gives_rebuild_hint(copy_of_dataset):
     raw = bytearray(path.read_bytes())
     raw[1000] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(DataError, match=r"train.bin is corrupt \(checksum mismatch\); rebuild it with `lordo data prepare --force`"):
+    with pytest.raises(DataError, match=r"train.bin is corrupt or changed \(checksum mismatch\); rebuild it with `lordo data prepare --force`"):
         prepare.load(copy_of_dataset)
 
 
