@@ -89,7 +89,8 @@ def test_corrupt_token_file_gives_rebuild_hint(copy_of_dataset):
     raw = bytearray(path.read_bytes())
     raw[1000] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with pytest.raises(DataError, match=r"train.bin is corrupt or changed \(checksum mismatch\); rebuild it with `lordo data prepare --force`"):
+    expected = r"train.bin is corrupt or changed \(checksum mismatch\); rebuild it with `lordo data prepare --force`"
+    with pytest.raises(DataError, match=expected):
         prepare.load(copy_of_dataset)
 
 
