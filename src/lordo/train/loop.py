@@ -367,7 +367,9 @@ class Trainer:
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
 
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
-        text = f"loss {row.get('train_loss', float('nan')):.3f}  lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"
+        # an evaluation step that is not a logging step has no training loss: say nothing rather than "nan"
+        loss = f"loss {row['train_loss']:.3f}  " if "train_loss" in row else ""
+        text = f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"
         return text + (f"  val_ppl {row['val_ppl']:.1f}" if "val_ppl" in row else "")
 
     # ---------------------------------------------------------------------------------- checkpoints, resume
