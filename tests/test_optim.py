@@ -190,6 +190,7 @@ def test_rotation_within_the_same_subspace_preserves_back_projected_momentum(big
     (dict(rank=2, omega=-0.1), r"omega must be in \[0, 1\]"),
     (dict(rank=2, qh_source="G"), r"qh_source must be one of"),
     (dict(rank=2, basis_method="qr"), r"basis_method must be one of"),
+    (dict(rank=2, batched="yes"), r"batched must be None \(batch the low-rank step on accelerators, not on the CPU\), True or False"),
 ])
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -270,53 +271,106 @@ def test_overlap_by_hand():
     assert overlap(rotated, e[:, :2]) == pytest.approx(1.0)  # same subspace, other basis
 
 
+class _SpecInFloat64:
+    """One matrix's low-rank step written out from the formulas in float64, with explicit projection
+    matrices (no code shared with the optimizer); a basis change rotates the moments as in LDAdam, E kept."""
+
+    def __init__(self, w, basis, *, lr, betas, eps, wd, omega, qh_source, after_qh):
+        self.shape, self.right = tuple(w.shape), w.shape[0] >= w.shape[1]  # compress the smaller side
+        self.W, self.E = w.detach().double().clone(), torch.zeros(w.shape, dtype=torch.float64)
+        self.P, self.u, self.v, self.t = basis.double(), None, None, 0
+        self.lr, (self.b1, self.b2), self.eps, self.wd, self.omega = lr, betas, eps, wd, omega
+        self.qh_source, self.after_qh = qh_source, after_qh
+
+    def set_basis(self, new):
+        new = new.double()
+        C = new.T @ self.P
+        bc1, bc2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.t
+        u_hat = self.u / bc1
+        var = (self.v / bc2 - u_hat**2).clamp(min=0)
+        rot_u = u_hat @ C.T if self.right else C @ u_hat
+        rot_var = var @ (C**2).T if self.right else (C**2) @ var
+        self.u, self.v, self.P = rot_u * bc1, (rot_var + rot_u**2).abs() * bc2, new
+
+    def step(self, G):
+        P, right, (b1, b2), omega = self.P, self.right, (self.b1, self.b2), self.omega
+        self.t += 1
+        A = G + self.E
+        g = A @ P if right else P.T @ A
+        self.E = A - (g @ P.T if right else P @ g)
+        self.u = (1 - b1) * g if self.u is None else b1 * self.u + (1 - b1) * g
+        self.v = (1 - b2) * g * g if self.v is None else b2 * self.v + (1 - b2) * g * g
+        D = (self.v / (1 - b2**self.t)).sqrt() + self.eps
+        ratio = (self.u / (1 - b1**self.t)) / D
+        qh_input = G if self.qh_source == "grad" else A
+        U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * qh_input / D.mean()
+        self.W = self.W * (1 - self.lr * self.wd) - self.lr * U
+        if self.qh_source == "grad+error" and self.after_qh == "remove":
+            self.E = omega * self.E  # the full-rank term applied (1 − ω)·E
+
+
+def _orthonormal(n, r):
+    return torch.linalg.qr(torch.randn(n, r, dtype=torch.float64))[0].float()
+
+
 @pytest.mark.parametrize("qh_source, after_qh", [("grad", "keep"), ("grad+error", "keep"), ("grad+error", "remove")])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
 def test_lowrank_step_equals_the_spec_written_out_in_float64(shape, qh_source, after_qh):
-    """Seven steps with ω = 0.9, error feedback and weight decay against the formulas, term by term, with
-    explicit projection matrices in float64 (no code shared with the optimizer); the basis changes before
-    step 5 (moments rotated as in LDAdam, E kept). Covers the deferred error feedback (steps 2-4 and 6-7),
-    both inputs of the full-rank term (G; A = G + E) and removing from E what that term applied."""
+    """Seven steps with ω = 0.9, error feedback and weight decay against the formulas, term by term; the basis
+    changes before step 5. Covers the deferred error feedback (steps 2-4 and 6-7), both inputs of the
+    full-rank term (G; A = G + E) and removing from E what that term applied."""
     torch.manual_seed(3)
-    r, lr, b1, b2, eps, wd, omega = 3, 0.05, 0.8, 0.95, 1e-8, 0.1, 0.9
+    r, options = 3, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source=qh_source)
     w = torch.nn.Parameter(torch.randn(shape))
-    q, _ = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))  # orthonormal columns
-    opt = LowRankQHAdam([{"params": [w], "rank": r}], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, omega=omega,
-                        qh_source=qh_source, error_feedback_after_qh=after_qh)
-    opt.set_basis(w, q.float())
-    right = shape[0] >= shape[1]  # compress the smaller side
-    W, E = w.detach().double().clone(), torch.zeros(shape, dtype=torch.float64)
-    P = q.float().double()
-    u = v = None
+    q = _orthonormal(min(shape), r)
+    opt = LowRankQHAdam([{"params": [w], "rank": r}], weight_decay=0.1, error_feedback_after_qh=after_qh, **options)
+    opt.set_basis(w, q)
+    spec = _SpecInFloat64(w, q, wd=0.1, after_qh=after_qh, **options)
     for t in range(1, 8):
         if t == 5:
-            q2, _ = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))
-            opt.set_basis(w, q2.float())
-            new = q2.float().double()
-            C = new.T @ P
-            bc1, bc2 = 1 - b1 ** 4, 1 - b2 ** 4
-            u_hat = u / bc1
-            var = (v / bc2 - u_hat**2).clamp(min=0)
-            rot_u = u_hat @ C.T if right else C @ u_hat
-            rot_var = var @ (C**2).T if right else (C**2) @ var
-            u, v, P = rot_u * bc1, (rot_var + rot_u**2).abs() * bc2, new
+            q2 = _orthonormal(min(shape), r)
+            opt.set_basis(w, q2)
+            spec.set_basis(q2)
         G = torch.randn(shape, dtype=torch.float64)
         w.grad = G.float()
         opt.step()
-        A = G + E
-        g = A @ P if right else P.T @ A
-        E = A - (g @ P.T if right else P @ g)
-        u = (1 - b1) * g if u is None else b1 * u + (1 - b1) * g
-        v = (1 - b2) * g * g if v is None else b2 * v + (1 - b2) * g * g
-        D = (v / (1 - b2**t)).sqrt() + eps
-        ratio = (u / (1 - b1**t)) / D
-        qh_input = G if qh_source == "grad" else A
-        U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * qh_input / D.mean()
-        W = W * (1 - lr * wd) - lr * U
-        if qh_source == "grad+error" and after_qh == "remove":
-            E = omega * E  # the full-rank term applied (1 − ω)·E
-        torch.testing.assert_close(w.detach().double(), W, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.error_feedback(w).double(), E, rtol=1e-5, atol=1e-6)
+        spec.step(G)
+        torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("qh_source, after_qh", [("grad", "keep"), ("grad+error", "remove")])
+def test_many_matrices_batched_or_not_equal_the_spec_in_float64(batched, qh_source, after_qh):
+    """Three matrices of one shape, two of another side and one more shape in one group (so the batched
+    path stacks them), bases set anew for some of them only (so one stack mixes matrices whose error
+    feedback is deferred with matrices whose is not), each against its own float64 spec."""
+    torch.manual_seed(4)
+    r, options = 2, dict(lr=0.03, betas=(0.9, 0.99), eps=1e-8, omega=0.9, qh_source=qh_source)
+    shapes = [(9, 6)] * 3 + [(4, 10)] * 2 + [(7, 7)]
+    ws = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+    opt = LowRankQHAdam([{"params": ws, "rank": r}], weight_decay=0.05, error_feedback_after_qh=after_qh,
+                        batched=batched, **options)
+    specs = []
+    for w in ws:
+        q = _orthonormal(min(w.shape), r)
+        opt.set_basis(w, q)
+        specs.append(_SpecInFloat64(w, q, wd=0.05, after_qh=after_qh, **options))
+    for t in range(1, 8):
+        if t in (3, 6):
+            for k in ((0, 3) if t == 3 else (2, 4, 5)):
+                q = _orthonormal(min(shapes[k]), r)
+                opt.set_basis(ws[k], q)
+                specs[k].set_basis(q)
+        grads = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
+        for w, G in zip(ws, grads):
+            w.grad = G.float()
+        opt.step()
+        for w, spec, G in zip(ws, specs, grads):
+            spec.step(G)
+            torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
+    assert all(w.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for w in ws for v in ws if w is not v)
 
 
 @pytest.mark.parametrize("omega", [0.0, 0.9, 1.0])

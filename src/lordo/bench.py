@@ -162,6 +162,11 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
         gs, _, _ = replica()
         s = dataclasses.replace(cfg.strategy, **changes)
         optimizers[label] = make_lowrank_optimizer(gs, s, cfg.optim, omega=s.omega)
+    gs, _, _ = replica()  # the default's other path on this device: batched over shapes, or per matrix
+    other_path = device.type == "cpu"
+    optimizers[f"lordo, batched={other_path}"] = other = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
+    for group in other.param_groups:
+        group["batched"] = other_path
     gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
     optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
                                                                      error_feedback=False)

@@ -15,12 +15,11 @@ import torch
 
 from .functional import lowrank_qh_adam_update_many, qh_adam_update_many
 from .lowrank import project, project_with_feedback, remove_projection, rotate_moments
+from .stacked import DEFERRED, INSIDE, MatrixStack
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 QH_SOURCES = ("grad", "grad+error")
 AFTER_QH = ("keep", "remove")
-DEFERRED = "error_feedback_deferred"  # state flag (a bool): E is a running sum, see project_gradients
-INSIDE = "error_feedback_inside"  # with a deferred buffer S and qh_source grad+error: proj(S), low-rank
 BASIS_METHODS = ("svd", "subspace")
 
 
@@ -50,6 +49,19 @@ def _check_galore_keys(group: dict) -> None:
                          f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
 
 
+def _runs_within(run: slice, stack: MatrixStack, wanted: set[int]) -> list[slice]:
+    """The consecutive ranges of rows of ``run`` whose parameters are ``wanted``."""
+    chosen, start = [], None
+    for i in range(run.start, run.stop + 1):
+        inside = i < run.stop and id(stack.params[i]) in wanted
+        if inside and start is None:
+            start = i
+        elif not inside and start is not None:
+            chosen.append(slice(start, i))
+            start = None
+    return chosen
+
+
 class LowRankQHAdam(torch.optim.Optimizer):
     """LoRDO's local optimizer for one process: low-rank QH-Adam with error feedback.
 
@@ -77,6 +89,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
     takes out. ``error_feedback_dtype``: dtype of E (default: the parameter's); bfloat16 halves it, while
     A is still formed in the parameter's precision. State is tensors and bool flags only, so ``state_dict()``
     loads with ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups``.
+
+    ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
+    shape as one batch (optim/stacked.py; same formulas, fewer kernel launches). None (default): on
+    accelerators, not on the CPU; True / False: always / never.
     """
 
     def __init__(
@@ -94,6 +110,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         error_feedback_dtype: torch.dtype | None = None,
         error_feedback_after_qh: str = "remove",
         basis_iterations: int = 1,
+        batched: bool | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -108,6 +125,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             error_feedback_dtype=error_feedback_dtype,
             error_feedback_after_qh=error_feedback_after_qh,
             basis_iterations=basis_iterations,
+            batched=batched,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
 
@@ -143,6 +161,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
         iters = group["basis_iterations"]
         if not (isinstance(iters, int) and not isinstance(iters, bool) and iters >= 1):
             raise ValueError(f"basis_iterations must be an integer >= 1, got {iters!r}")
+        if group["batched"] not in (None, True, False):
+            raise ValueError(f"batched must be None (batch the low-rank step on accelerators, not on the CPU), True or "
+                             f"False, got {group['batched']!r}")
         if group["rank"] is not None:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -231,10 +252,57 @@ class LowRankQHAdam(torch.optim.Optimizer):
     # ---------------------------------------------------------------------------------------------------
     # the step, in two halves so that a strategy can all-reduce the projected gradients in between
 
+    def _split_batched(self, params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+        """Positions in ``params`` of the matrices the batched path takes (their group's ``batched``; None: on
+        accelerators) and of the others."""
+        batched: list[int] = []
+        each: list[int] = []
+        for i, p in enumerate(params):
+            choice = self._group_of(p).get("batched")  # absent in state dicts saved before it existed
+            (batched if (p.device.type != "cpu" if choice is None else choice) else each).append(i)
+        return batched, each
+
+    def _stacks(self, params: list[torch.Tensor]) -> list[tuple[MatrixStack, dict, list[slice]]]:
+        """The stacks (optim/stacked.py) holding the state of the low-rank ``params``, built or rebuilt where
+        needed, each with its group and the row ranges to update: consecutive requested rows in one mode."""
+        cache: dict = self.__dict__.setdefault("_stack_cache", {})
+        wanted = {id(p) for p in params}
+        out = []
+        for group, _ in self._by_group(params):
+            by_key: dict[tuple, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                if "basis" in self.state[p]:
+                    by_key.setdefault((id(group), tuple(p.shape), p.dtype, p.device), []).append(p)
+            for key in {k for k, members in by_key.items() if any(id(p) in wanted for p in members)}:
+                members = by_key[key]
+                stack = cache.get(key)
+                if stack is None or [id(p) for p in stack.params] != [id(p) for p in members] or not stack.intact():
+                    stack = cache[key] = MatrixStack(members, [self.state[p] for p in members])
+                out.append((stack, group, [rows for run in stack.uniform_runs() for rows in _runs_within(run, stack, wanted)]))
+        return out
+
+    @torch.no_grad()
+    def _project_stacked(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        position = {id(p): i for i, p in enumerate(params)}
+        out: list[torch.Tensor | None] = [None] * len(params)
+        for stack, group, slices in self._stacks(params):
+            for rows in slices:
+                for i, g in zip(range(rows.start, rows.stop), stack.project(group, rows).unbind(0)):
+                    out[position[id(stack.params[i])]] = g
+        return out  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _apply_stacked(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
+        position = {id(p): i for i, p in enumerate(params)}
+        for stack, group, slices in self._stacks(params):
+            for rows in slices:
+                stack.apply(group, rows, torch.stack([gs[position[id(stack.params[i])]] for i in range(rows.start, rows.stop)]))
+
     @torch.no_grad()
     def project_gradients(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """g = proj(G + E) of each low-rank matrix in ``params``, updating its error feedback (the deferred
-        sums in one multi-tensor call); creates a matrix's state (basis from its gradient) on first use."""
+        """g = proj(G + E) of each low-rank matrix in ``params``, updating its error feedback (batched over the
+        matrices of one shape, or the deferred sums in one multi-tensor call); creates a matrix's state (basis
+        from its gradient) on first use."""
         for p in params:
             _check_dense(p)
             group, state = self._group_of(p), self.state[p]
@@ -245,6 +313,15 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 self._init_lowrank_state(p, group, basis)
             elif group["update_proj_gap"] and int(state["step"]) % group["update_proj_gap"] == 0:
                 self.refresh_basis(p, grad_of(p))  # GaLore's schedule: a new basis from this step's gradient
+        batched, each = self._split_batched(params)
+        out: list[torch.Tensor | None] = [None] * len(params)
+        for positions, project_many in ((batched, self._project_stacked), (each, self._project_each)):
+            if positions:
+                for i, g in zip(positions, project_many([params[i] for i in positions])):
+                    out[i] = g
+        return out  # type: ignore[return-value]
+
+    def _project_each(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         deferred = [p for p in params if self.state[p].get(DEFERRED)]
         if deferred:
             # E has no component in the basis's subspace: proj(G + E) = proj(G); E accumulates G (see below)
@@ -299,10 +376,16 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
-        """Moment and weight updates of low-rank matrices from their projected gradients ``gs`` (batched per
-        parameter group: multi-tensor moment math). With ``qh_source = "grad+error"`` the ``gs`` must be the
-        projections of this step's own gradients (what :meth:`project_gradients` returned): A is rebuilt
-        from them."""
+        """Moment and weight updates of low-rank matrices from their projected gradients ``gs``: batched over
+        the matrices of one shape (group option ``batched``), else multi-tensor moment math per group. With
+        ``qh_source = "grad+error"`` the ``gs`` must be the projections of this step's own gradients (what
+        :meth:`project_gradients` returned): A is rebuilt from them."""
+        batched, each = self._split_batched(params)
+        for positions, apply_many in ((batched, self._apply_stacked), (each, self._apply_each)):
+            if positions:
+                apply_many([params[i] for i in positions], [gs[i] for i in positions])
+
+    def _apply_each(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
         for group, index in self._by_group(params):
             ps = [params[i] for i in index]
             gs_group = [gs[i] for i in index]
