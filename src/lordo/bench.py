@@ -102,16 +102,21 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 # the local optimizer step
 
 
-def _model_params(preset: str, device: torch.device, d_model: int | None = None, n_layers: int | None = None):
-    from .model import group_parameters
-    from .train.loop import build_model
-
+def _shape_overrides(preset: str, d_model: int | None, n_layers: int | None) -> list[str]:
+    """Config overrides for a preset, optionally widened (heads of 64) and deepened."""
     overrides = [f'model.preset="{preset}"']
     if d_model:
         overrides += [f"model.d_model={d_model}", f"model.n_heads={max(1, d_model // 64)}"]
     if n_layers:
         overrides.append(f"model.n_layers={n_layers}")
-    cfg = build_config(overrides=overrides)
+    return overrides
+
+
+def _model_params(preset: str, device: torch.device, d_model: int | None = None, n_layers: int | None = None):
+    from .model import group_parameters
+    from .train.loop import build_model
+
+    cfg = build_config(overrides=_shape_overrides(preset, d_model, n_layers))
     model = build_model(cfg, 4096 if d_model is None else 32000).to(device)
     return model, group_parameters(model)
 
@@ -416,11 +421,7 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]]) -> dict[s
 
     rows = []
     for preset, d_model, layers in shapes:
-        overrides = [f'model.preset="{preset}"']
-        if d_model:
-            overrides += [f"model.d_model={d_model}", f"model.n_heads={max(1, d_model // 64)}"]
-        if layers:
-            overrides.append(f"model.n_layers={layers}")
+        overrides = _shape_overrides(preset, d_model, layers)
         base = build_config(overrides=overrides)
         vocab = 4096 if d_model is None else 32000
         rank = base.model.d_model // 8  # min(p, q) of every block matrix is d_model
