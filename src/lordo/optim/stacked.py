@@ -159,9 +159,9 @@ class MatrixStack:
         """The full-rank term's input as (full-size part, low-rank part): A = full − back(low)."""
         if group["omega"] == 1:
             return None, None
-        grad = self._grad[1] if self._grad is not None and self._grad[0] == rows else self._gradients(rows)
-        if group["qh_source"] == "grad" or "error_feedback" not in self.tensors:
-            return grad, None
+        if group["qh_source"] == "grad" or "error_feedback" not in self.tensors:  # A = G: project's stack if it is this one
+            cached = self._grad is not None and self._grad[0] == rows
+            return (self._grad[1] if cached else self._gradients(rows)), None  # type: ignore[index]
         error = self.tensors["error_feedback"][rows]
         if INSIDE in self.states[rows][0]:  # deferred: A = S − back(c − g), S the running sum after this step
             return error, self.inside[rows] - g
