@@ -232,3 +232,38 @@ def test_launcher_stops_the_others_when_one_worker_dies():
     with pytest.raises(WorkerFailed, match="worker 1 of 3 exited with code 3; the other workers were stopped"):
         launch_local([sys.executable, "-c", code], 3)
     assert time.monotonic() - t0 < 30
+
+
+def _closing_worker(clean: bool):
+    import torch.distributed as dist
+
+    from lordo.comm.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator("gloo", timeout_s=20)
+    comm.all_reduce_mean([[torch.ones(10)]], tag="gradient")
+    if comm.rank == 1:
+        if not clean:
+            time.sleep(3.0)  # never reaches a barrier in time: rank 0 must not wait for it
+        destroy = dist.destroy_process_group
+
+        def slow_destroy(*args, **kwargs):
+            time.sleep(1.0)  # a slow teardown: the store host must outlive it
+            destroy(*args, **kwargs)
+
+        dist.destroy_process_group = slow_destroy
+    t0 = time.monotonic()
+    comm.close(clean)
+    return time.time(), time.monotonic() - t0
+
+
+def test_a_clean_close_lets_the_store_host_leave_last():
+    results = run_gloo(_closing_worker, 2, True, timeout=60)
+    (status0, (left0, _)), (status1, (left1, _)) = results[0], results[1]
+    assert status0 == status1 == "ok"
+    assert left0 >= left1  # rank 0 returned only after rank 1 had destroyed its group
+
+
+def test_closing_after_an_error_waits_for_no_peer():
+    results = run_gloo(_closing_worker, 2, False, timeout=60)
+    status, (_, seconds) = results[0]
+    assert status == "ok" and seconds < 2.0

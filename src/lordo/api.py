@@ -330,7 +330,7 @@ def distributed(
         raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
     comm = make_communicator(backend, len(models), timeout_s, device, ranks_per_worker)
     if len(models) > 1 and len(comm.local_ranks) != len(models):
-        comm.close()
+        comm.close(clean=False)
         raise ConfigError(
             f"{len(models)} replicas given, but the {type(comm).__name__} hosts one worker per process; "
             "pass one model under torch.distributed, or backend='sim' to simulate workers"
@@ -340,7 +340,7 @@ def distributed(
         cfg = build_config(tree=tree)
         return DistributedOptimizer(models, cfg, comm, owns_comm=True)
     except BaseException:
-        comm.close()
+        comm.close(clean=False)
         raise
 
 

@@ -33,7 +33,7 @@ def make_communicator(backend: str, workers: int, timeout_s: float = 300.0, devi
     try:
         return WorkerGroupCommunicator(base, ranks_per_worker)
     except BaseException:
-        base.close()
+        base.close(clean=False)
         raise
 
 

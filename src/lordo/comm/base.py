@@ -149,5 +149,6 @@ class Communicator(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
-    def close(self) -> None:  # noqa: B027 (a no-op unless the backend holds a process group)
-        """Release the process group, if any."""
+    def close(self, clean: bool = True) -> None:  # noqa: B027 (a no-op unless the backend holds a process group)
+        """Release the process group, if any; ``clean=False`` when an error is on its way out (a peer may be
+        dead, so nothing waits for the others)."""

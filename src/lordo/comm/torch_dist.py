@@ -117,8 +117,9 @@ class TorchDistCommunicator(Communicator):
                 if not torch.cuda.is_available():
                     raise CommError("backend 'nccl' needs CUDA devices; use 'gloo' on CPU")
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self._rendezvous = self._store(rank, world)
             try:
-                dist.init_process_group(backend, store=self._store(rank, world), rank=rank, world_size=world, timeout=self.timeout)
+                dist.init_process_group(backend, store=self._rendezvous, rank=rank, world_size=world, timeout=self.timeout)
             except Exception as exc:  # rendezvous failures come in several exception types
                 raise CommError(
                     f"could not join the process group as rank {rank} of {world} at "
@@ -195,9 +196,36 @@ class TorchDistCommunicator(Communicator):
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, clean: bool = True) -> None:
+        """Destroy the process group this object created. After a clean run the ranks leave in order: a barrier
+        (no rank tears its group down while a peer is still in a collective), then each rank destroys its group,
+        and rank 0, which hosts the rendezvous store, waits until every other rank has done so before it
+        returns (a peer that loses the store or its gloo connections mid-teardown can abort). ``clean=False``
+        (an error is on its way out) skips both waits: a peer may be dead."""
+        if not (self.owns_group and dist.is_initialized()):
+            return
+        if clean:
+            try:
+                dist.barrier()
+            except Exception:  # a peer died after all: tear down without waiting for it
+                clean = False
+        dist.destroy_process_group()
+        if clean:
+            self._leave_in_order()
+
+    def _leave_in_order(self, poll_s: float = 0.01) -> None:
+        store, others = getattr(self, "_rendezvous", None), self.world_size - 1
+        if store is None or others == 0:
+            return
+        try:
+            if self.rank != 0:
+                store.add("closed", 1)
+                return
+            deadline = time.monotonic() + min(self.timeout.total_seconds(), 60.0)
+            while store.add("closed", 0) < others and time.monotonic() < deadline:
+                time.sleep(poll_s)
+        except Exception:  # the store is only a courtesy here; the run itself has finished
+            pass
 
 
 class WorkerGroupCommunicator(Communicator):
@@ -308,5 +336,5 @@ class WorkerGroupCommunicator(Communicator):
     def barrier(self) -> None:
         self.base.barrier()
 
-    def close(self) -> None:
-        self.base.close()
+    def close(self, clean: bool = True) -> None:
+        self.base.close(clean)

@@ -84,12 +84,15 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
         torch.set_num_threads(t.threads)
     device = resolve_device(t.device)
     comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker)
+    clean = False
     try:
         out = _output_folder(cfg, out_dir, comm)
         with _locked(out, comm):
-            return Trainer(cfg, out, comm, device, log, stream if stream is not None else sys.stderr).run()
+            summary = Trainer(cfg, out, comm, device, log, stream if stream is not None else sys.stderr).run()
+        clean = True
+        return summary
     finally:
-        comm.close()
+        comm.close(clean)
 
 
 def _output_folder(cfg: Config, out_dir: str | Path | None, comm) -> Path:
