@@ -136,7 +136,7 @@ def test_module_grouping_of_a_generic_model():
     ({"ranks": 4}, r"unknown option 'ranks'; options are strategy keys \(.*rank.*\) or optim keys"),
     ({"rank": 40}, r"strategy.rank must be in \[1, 16\] for 0.weight"),
     ({"omega": 1.5}, r"strategy.omega must be in \[0, 1\]"),
-    ({"backend": "mpi"}, r"backend must be one of auto, sim, gloo, nccl, got 'mpi'"),
+    ({"backend": "mpi"}, r"backend must be one of auto, sim, gloo, nccl, torchft or a Communicator, got 'mpi'"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, message):
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))

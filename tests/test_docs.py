@@ -124,12 +124,17 @@ def _check_torchrun(argv: list[str], page: str) -> None:
         assert args.training_script_args[0] == "train", (page, argv)
         _validate_train(args.training_script_args[1:])
     else:
-        script = ROOT / args.training_script
-        assert script.exists(), (page, argv)
-        source = script.read_text()
-        for token in args.training_script_args:
-            if token.startswith("--"):
-                assert f'"{token}"' in source, (page, f"{script.name} has no option {token}")
+        _check_script([args.training_script, *args.training_script_args], page)
+
+
+def _check_script(argv: list[str], page: str) -> None:
+    """A documented script exists and has the options the command gives it."""
+    script = ROOT / argv[0]
+    assert script.exists(), (page, argv)
+    source = script.read_text()
+    for token in argv[1:]:
+        if token.startswith("--"):
+            assert f'"{token}"' in source, (page, f"{script.name} has no option {token}")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
@@ -145,7 +150,15 @@ def test_shell_commands_run_or_parse(page, data_dir, tmp_path):
             if line.startswith(SETUP):
                 continue
             argv = shlex.split(line)
+            while re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # VAR=value prefixes: the environment of the command
+                argv = argv[1:]
             exe = argv[0].removeprefix(".venv/bin/")
+            if exe == "torchft_lighthouse":  # a server that runs until stopped: it must be installed
+                assert (bin_dir / exe).exists(), f"{page_id(page)}: {exe} is not installed (the ft extra)"
+                continue
+            if exe == "python" and argv[1].startswith("examples/"):  # a worker of a run the page describes
+                _check_script(argv[1:], page_id(page))
+                continue
             if exe == "torchrun":
                 _check_torchrun(argv, page_id(page))
                 continue

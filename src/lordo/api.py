@@ -33,6 +33,7 @@ from .model.params import ParamGroup, group_by_module, group_parameters
 from .strategies import STRATEGIES, Strategy, build_strategy
 from .strategies.base import refuse_sharded
 
+BACKENDS = ("auto", "sim", "gloo", "nccl", "torchft")
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
 _STRATEGY_KEYS = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
 
@@ -169,6 +170,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for target, mean in zip(model.parameters(), mine[0], strict=True):
             target.copy_(mean)
 
+    def join(self) -> int:
+        """Fault tolerance (``backend="torchft"``): call once, before the first step. With the other workers
+        starting too, it checks they start from the same weights; if they are ahead (this worker restarted
+        after a failure, or started late), it receives the state of one of them, takes part in the round they
+        are in, and returns the step counter to continue from (your loop, data and LR schedule resume there).
+        On other backends it returns :attr:`steps_done` and does nothing."""
+        return self.comm.join(self.strategy)
+
     @property
     def steps_done(self) -> int:
         """Optimizer steps taken (the local-step counter that decides when to synchronise)."""
@@ -274,7 +283,7 @@ def distributed(
     strategy: str = "lordo",
     *,
     lr: float | None = None,
-    backend: str = "auto",
+    backend: str | Communicator = "auto",
     timeout_s: float = 300.0,
     ranks_per_worker: int = 1,
     **options: Any,
@@ -299,6 +308,10 @@ def distributed(
     ``backend``: ``auto`` uses torch.distributed when a process group is initialised or torchrun started the
     process (gloo for CPU parameters, nccl for CUDA ones), else one worker; ``sim`` with a list of replicas
     simulates ``len(model)`` workers in this process; ``gloo``/``nccl`` force torch.distributed.
+    ``torchft`` makes workers fail without stopping the others (one process per worker; environment
+    ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``; call :meth:`DistributedOptimizer.join`
+    before the first step; docs/multi-node.md), or pass a :class:`~lordo.comm.ft.TorchFTCommunicator` (or any
+    communicator) as ``backend`` to set it up yourself.
     ``ranks_per_worker``: under torch.distributed, how many consecutive ranks form one LoRDO worker (a node:
     synchronous inside, gradients averaged every step; LoRDO between workers). With 2 nodes × 8 GPUs,
     ``ranks_per_worker=8`` makes 2 workers.
@@ -320,17 +333,20 @@ def distributed(
                 f"unknown option {key!r}; options are strategy keys ({', '.join(sorted(_STRATEGY_KEYS))}) "
                 f"or optim keys ({', '.join(sorted(_OPTIM_KEYS - {'lr'}))})"
             )
-    if backend not in ("auto", "sim", "gloo", "nccl"):
-        raise ConfigError(f"backend must be one of auto, sim, gloo, nccl, got {backend!r}")
+    if not isinstance(backend, Communicator) and backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
     first = next(models[0].parameters(), None)
     if first is None:
         raise ConfigError("the model has no parameters")
     device = first.device.type
     if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
         raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
-    comm = make_communicator(backend, len(models), timeout_s, device, ranks_per_worker)
+    given = isinstance(backend, Communicator)
+    comm = backend if isinstance(backend, Communicator) else make_communicator(backend, len(models), timeout_s, device,
+                                                                                ranks_per_worker)
     if len(models) > 1 and len(comm.local_ranks) != len(models):
-        comm.close(clean=False)
+        if not given:
+            comm.close(clean=False)
         raise ConfigError(
             f"{len(models)} replicas given, but the {type(comm).__name__} hosts one worker per process; "
             "pass one model under torch.distributed, or backend='sim' to simulate workers"
@@ -338,9 +354,10 @@ def distributed(
     tree["dist"].update({"workers": comm.world_size, "backend": getattr(comm, "backend", "sim")})
     try:
         cfg = build_config(tree=tree)
-        return DistributedOptimizer(models, cfg, comm, owns_comm=True)
+        return DistributedOptimizer(models, cfg, comm, owns_comm=not given)
     except BaseException:
-        comm.close(clean=False)
+        if not given:
+            comm.close(clean=False)
         raise
 
 

@@ -19,6 +19,10 @@ def make_communicator(backend: str, workers: int, timeout_s: float = 300.0, devi
     from ..errors import ConfigError
     from .torch_dist import TorchDistCommunicator, WorkerGroupCommunicator, launched_by_torchrun
 
+    if backend == "torchft":
+        from .ft import TorchFTCommunicator
+
+        return TorchFTCommunicator.from_env(workers, timeout_s)
     if backend == "auto":
         distributed = dist.is_available() and (dist.is_initialized() or launched_by_torchrun())
         backend = ("nccl" if device == "cuda" else "gloo") if distributed else "sim"

@@ -149,6 +149,19 @@ class Communicator(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    fault_tolerant = False  # True: rounds can fail and be run again (torchft)
+
+    def round(self, kind: str, fn, strategy, resume_at: int):
+        """Run ``fn``, a synchronisation's collectives and updates, as one round (``kind``: sync, final,
+        initial_basis). Here simply ``fn()``; the torchft communicator runs it again, without the workers that
+        left, when one fails mid-round, and lets a recovering worker take part."""
+        return fn()
+
+    def join(self, strategy) -> int:
+        """Enter the run (fault-tolerant backends: start with the others or recover from them); returns the step
+        counter to continue from. Here nothing to do."""
+        return strategy.steps_done
+
     def close(self, clean: bool = True) -> None:  # noqa: B027 (a no-op unless the backend holds a process group)
         """Release the process group, if any; ``clean=False`` when an error is on its way out (a peer may be
         dead, so nothing waits for the others)."""

@@ -363,6 +363,14 @@ class LowRankQHAdam(torch.optim.Optimizer):
             remove_projection(state["error_feedback"], state["basis"], side_of(p.shape))
 
     @torch.no_grad()
+    def forget_error_feedback(self) -> None:
+        """Zero every error-feedback buffer (a worker that takes over another's state starts with nothing owed)."""
+        for state in self.state.values():
+            for key in ("error_feedback", INSIDE):
+                if key in state:
+                    state[key].zero_()
+
+    @torch.no_grad()
     def error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
         """The error-feedback buffer E of low-rank matrix ``p`` (None if it has none yet or error feedback is
         off). A copy when the buffer is deferred; reading it never changes the run."""

@@ -9,6 +9,7 @@ optimizer directly. Strategies take their settings as keyword arguments and chec
 
 from __future__ import annotations
 
+import copy
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -20,6 +21,11 @@ from torch import nn
 
 from ..comm import Communicator
 from ..errors import ConfigError
+
+
+def clone_tree(tree: Any) -> Any:
+    """A deep copy in which every tensor is a fresh copy (state dicts hold references to live buffers)."""
+    return copy.deepcopy(tree)
 
 
 def tensor_bytes(tensors) -> int:
@@ -110,10 +116,14 @@ class Strategy(ABC):
     """After-backward logic for the workers (model replicas) this process hosts."""
 
     name: str = ""
+    recoverable = False  # whether it runs on a fault-tolerant communicator (collectives only in rounds)
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *,
                  optimizers: Sequence[torch.optim.Optimizer], grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
         check_number("grad_clip", grad_clip)
+        if comm.fault_tolerant and not self.recoverable:
+            raise ConfigError(f"strategy {self.name!r} communicates at every step; a fault-tolerant backend (torchft) "
+                              "runs the local-update strategies: local-adam, lordo, lordo-local, lordo-global-noqh")
         self.comm, self.grad_clip = comm, float(grad_clip)
         self.workers = check_workers(models, comm, optimizers)
         self.steps_done = 0
@@ -204,6 +214,24 @@ class Strategy(ABC):
             raise ValueError(f"state holds {len(state['workers'])} workers, this process hosts {len(self.workers)}")
         for w, saved in zip(self.workers, state["workers"]):
             w.optimizer.load_state_dict(saved["optimizer"])
+
+    # fault tolerance (comm.round): what a round may change, put back when it fails; a recovering worker
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy of everything a round may change on the hosted workers: models (parameters, buffers) and state."""
+        return {"models": [clone_tree(w.model.state_dict()) for w in self.workers], "state": clone_tree(self.state_dict())}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        for w, saved in zip(self.workers, snapshot["models"], strict=True):
+            w.model.load_state_dict(saved)
+        self.load_state_dict(snapshot["state"])
+
+    def forget_own_errors(self) -> None:  # noqa: B027 (nothing to forget unless the strategy keeps errors)
+        """Zero what only this worker had yet to deliver (error feedback): a recovering worker received a peer's."""
+
+    def mirror_round(self, kind: str, resume_at: int) -> None:
+        """Take part, without contributing, in the round the others are in (a recovering worker)."""
+        raise ConfigError(f"strategy {self.name!r} cannot recover a worker")
 
     @abstractmethod
     def state_bytes(self) -> dict[str, int]:

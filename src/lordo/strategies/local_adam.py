@@ -45,6 +45,7 @@ class LocalUpdateStrategy(Strategy):
     tensor at a time at each synchronisation: the device holds no full-size copy of the model for it."""
 
     name = "local-adam"
+    recoverable = True
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[torch.optim.Optimizer],
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
@@ -62,6 +63,10 @@ class LocalUpdateStrategy(Strategy):
             if key not in MOMENTS:
                 raise ConfigError(f"moment_periods keys are {', '.join(MOMENTS)}, got {key!r}")
             check_number(f"moment_periods[{key!r}]", period, integer=True)
+        if comm.fault_tolerant and any(self.moment_periods.values()):
+            raise ConfigError("strategy.sync_exp_avg_every / sync_exp_avg_sq_every (moment_periods) average moments "
+                              "between synchronisations; a fault-tolerant backend (torchft) communicates only at "
+                              "synchronisations: leave them at 0")
         self.sync_every, self.average = sync_every, average_moments
         self.codecs = sync_codecs(compress)
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
@@ -102,11 +107,16 @@ class LocalUpdateStrategy(Strategy):
         self.grads()  # raises if backward was not called
         stats = self.before_local_step()
         stats["grad_norm"] = self.clip_and_step()[0]
-        sync_due = self.steps_done % self.sync_every == 0
-        self.average_moments(sync_due)
-        if sync_due:
-            stats.update(self.synchronise())
+        if self.steps_done % self.sync_every == 0:
+            stats.update(self.comm.round("sync", self.sync_round, self, self.steps_done))
+        else:
+            self.average_moments(False)
         return stats
+
+    def sync_round(self) -> dict[str, float]:
+        """What a synchronisation exchanges: the moments due, then the pseudo-gradients."""
+        self.average_moments(True)
+        return self.synchronise()
 
     def average_moments(self, sync_due: bool) -> None:
         if self.average == "none":
@@ -119,7 +129,23 @@ class LocalUpdateStrategy(Strategy):
                     average(self.comm, moments, key, self.codecs[key])
 
     def finish(self) -> dict[str, float]:
-        return self.synchronise() if self.steps_done % self.sync_every else {}
+        return self.comm.round("final", self.synchronise, self, self.steps_done) if self.steps_done % self.sync_every else {}
+
+    def mirror_round(self, kind: str, resume_at: int) -> None:
+        # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway
+        self.steps_done = resume_at
+        rounds = {"sync": self.sync_round, "final": self.synchronise}
+        if kind not in rounds:
+            raise ValueError(f"cannot take part in a {kind!r} round")
+        rounds[kind]()
+
+    @torch.no_grad()
+    def forget_own_errors(self) -> None:
+        for w in self.workers:
+            for e in w.residuals:
+                e.zero_()
+            if w.shard_residual is not None:
+                w.shard_residual.zero_()
 
     @property
     def in_sync(self) -> bool:

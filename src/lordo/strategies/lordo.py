@@ -76,8 +76,34 @@ class LoRDOStrategy(LocalUpdateStrategy):
     @torch.no_grad()
     def before_local_step(self) -> dict[str, float]:
         lowrank = [self.lowrank(w) for w in range(len(self.workers))]
-        self.basis.before_step(self.steps_done, self.sync_every, lowrank, self.optimizers, self.comm)
+        step = self.steps_done
+
+        def bases() -> None:
+            self.basis.before_step(step, self.sync_every, lowrank, self.optimizers, self.comm)
+
+        if step == 0 and isinstance(self.basis, GlobalBasis):  # the initial basis is all-reduced: a round
+            self.comm.round("initial_basis", bases, self, 1)
+        else:
+            bases()
         return {}
+
+    @torch.no_grad()
+    def mirror_round(self, kind: str, resume_at: int) -> None:
+        if kind != "initial_basis":
+            super().mirror_round(kind, resume_at)
+            return
+        for p in self.lowrank(0):  # no gradient of its own: zeros, left out of the mean anyway
+            p.grad = torch.zeros_like(p)
+        self.basis.before_step(0, self.sync_every, [self.lowrank(0)], self.optimizers, self.comm)
+        for p in self.lowrank(0):
+            p.grad = None
+        self.steps_done = resume_at  # its first local step is the others' first one: it sits that one out
+
+    @torch.no_grad()
+    def forget_own_errors(self) -> None:
+        super().forget_own_errors()
+        for opt in self.optimizers:
+            opt.forget_error_feedback()
 
     @torch.no_grad()
     def after_average(self, delta: list[torch.Tensor]) -> dict[str, float]:

@@ -1,0 +1,229 @@
+"""Workers that fail without stopping the others: LoRDO's synchronisations over torchft.
+
+Each process is one worker (a torchft replica group of one rank). Every synchronisation is a *round*: the
+workers alive form a quorum (torchft's Lighthouse decides who is in), average over the ones that contribute,
+and commit only if every collective of the round succeeded. A worker that dies between rounds is left out of
+the next quorum; one that dies inside a round makes the round fail on the others, who restore what they held
+before it and run it again without it. A worker that starts late or restarts asks for a quorum at once;
+torchft sees it is behind and it receives, from a peer, the state that peer held after its last committed
+round (model, anchor, moments, bases, counters) and the kind of round the others are in; it takes part in
+that round without contributing (its tensors are left out of every mean) and leaves it holding exactly what
+the others hold, the same bases included, then trains on from their step.
+
+Means are taken over the workers that contribute: every collective carries a count beside its tensors.
+Control traffic that :class:`~lordo.comm.base.Communicator` sends between rounds elsewhere (stop flags,
+non-finite checks) stays local here: a per-step collective over a link that may fail would defeat the point.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .base import Communicator, TensorLists
+from .torch_dist import CommError
+
+ENV_LIGHTHOUSE, ENV_REPLICA, ENV_REPLICAS = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
+ENV_MIN = "TORCHFT_MIN_REPLICAS"
+
+
+def _torchft():
+    try:
+        import torchft
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as exc:
+        raise ConfigError("backend 'torchft' needs the torchft package: pip install 'lordo[ft]'") from exc
+    return torchft.Manager, ProcessGroupGloo
+
+
+class TorchFTCommunicator(Communicator):
+    """``TorchFTCommunicator(workers, replica, lighthouse=..., min_workers=...)``: this process is worker
+    ``replica`` of ``workers`` (the number the run is planned for: it shards the data and scales the
+    accounting); the collectives go through a ``torchft.Manager`` whose quorum needs ``min_workers`` workers.
+    ``lighthouse``: the Lighthouse's address (default: ``$TORCHFT_LIGHTHOUSE``). ``timeout_s`` bounds each
+    collective and a checkpoint transfer, ``quorum_timeout_s`` the wait for a quorum (longer than the time
+    between two synchronisations). A failed round is run again at most ``attempts`` times."""
+
+    fault_tolerant = True
+
+    def __init__(self, workers: int, replica: int, *, lighthouse: str | None = None, min_workers: int = 1,
+                 timeout_s: float = 60.0, quorum_timeout_s: float = 600.0, attempts: int = 5) -> None:
+        for name, value, low in (("workers", workers, 1), ("min_workers", min_workers, 1), ("attempts", attempts, 1)):
+            if not (isinstance(value, int) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not (isinstance(replica, int) and 0 <= replica < workers):
+            raise ConfigError(f"replica must be an integer in 0 .. {workers - 1} (workers - 1), got {replica!r}")
+        if min_workers > workers:
+            raise ConfigError(f"min_workers ({min_workers}) cannot exceed workers ({workers})")
+        lighthouse = lighthouse or os.environ.get(ENV_LIGHTHOUSE)
+        if not lighthouse:
+            raise ConfigError(f"backend 'torchft' needs a Lighthouse: set ${ENV_LIGHTHOUSE} (e.g. http://host:29510) or "
+                              "pass lighthouse=; start one with `torchft_lighthouse --min_replicas 2` (docs/multi-node.md)")
+        manager_cls, pg_cls = _torchft()
+        import torch.distributed as dist
+
+        super().__init__(workers, [replica])
+        self.backend = "gloo"  # torchft's process group (recorded in the run's config)
+        self.attempts = attempts
+        timeout = _dt.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's
+        self.manager = manager_cls(
+            pg=pg_cls(timeout=timeout), load_state_dict=self._receive, state_dict=self._offer,
+            min_replica_size=min_workers, use_async_quorum=False, replica_id=f"lordo_{replica}",
+            store_addr="localhost", store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            timeout=timeout, quorum_timeout=_dt.timedelta(seconds=quorum_timeout_s), init_sync=False)
+        self.contributing = True  # False while a recovering worker takes part in its first round
+        self.contributors = 0  # how many workers the last collective averaged over
+        self.rounds: list[dict[str, Any]] = []  # per committed round: step, kind, workers; failed attempts
+        self._committed: dict[str, Any] | None = None  # what a recovering peer receives
+        self._current: tuple[str, int] = ("start", 0)
+        self._received: dict[str, Any] | None = None
+
+    @classmethod
+    def from_env(cls, workers: int = 1, timeout_s: float = 60.0) -> TorchFTCommunicator:
+        """From the environment torchft's launchers set: ``$REPLICA_GROUP_ID``, ``$NUM_REPLICA_GROUPS`` (else
+        ``workers``), ``$TORCHFT_LIGHTHOUSE``; ``$TORCHFT_MIN_REPLICAS`` (default 1) workers make a quorum."""
+        values = {}
+        for key, default in ((ENV_REPLICA, None), (ENV_REPLICAS, workers if workers > 1 else None), (ENV_MIN, 1)):
+            raw = os.environ.get(key, default)
+            if raw is None:
+                raise ConfigError(f"backend 'torchft' needs ${key} (this worker's index / the number of workers)")
+            try:
+                values[key] = int(raw)
+            except ValueError:
+                raise ConfigError(f"${key} must be an integer, got {raw!r}") from None
+        return cls(values[ENV_REPLICAS], values[ENV_REPLICA], min_workers=values[ENV_MIN], timeout_s=timeout_s)
+
+    # --- the state a recovering peer receives ----------------------------------------------------------
+    def _offer(self) -> dict[str, Any]:
+        """Called by torchft (on its quorum thread) when a peer recovers from this worker."""
+        kind, resume_at = self._current
+        return {"state": self._committed, "kind": kind, "resume_at": resume_at}
+
+    def _receive(self, state: dict[str, Any]) -> None:
+        self._received = state
+
+    # --- rounds --------------------------------------------------------------------------------------
+    def round(self, kind: str, fn: Callable[[], Any], strategy, resume_at: int) -> Any:
+        """Run ``fn`` (the round's collectives and updates) as one round, again without the workers that left
+        if one failed mid-round. ``resume_at``: the step counter a worker recovering into this round
+        continues from."""
+        if self._committed is None:
+            raise CommError("under torchft call join() once before the first step (DistributedOptimizer.join): it "
+                            "starts the run with the others, or recovers this worker from them")
+        saved = strategy.snapshot()
+        for attempt in range(1, self.attempts + 1):
+            self._current = (kind, resume_at)
+            self.manager.start_quorum()
+            if self._received is not None:  # only a worker that was behind receives a state
+                raise CommError(f"worker {self.local_ranks[0]} was behind the others at a {kind} round; call "
+                                "join() once before training (DistributedOptimizer.join)")
+            try:
+                result = fn()
+            except Exception:
+                if self.manager.errored() is None:
+                    raise
+                result = None  # a peer failed mid-round: the inputs were garbage, the round is retried
+            if self.manager.should_commit():
+                self._commit(strategy, kind, attempt)
+                return result
+            strategy.restore(saved)
+            warnings.warn(f"a {kind} round failed (a worker left mid-round; attempt {attempt} of {self.attempts}); "
+                          "running it again with the workers that remain", RuntimeWarning, stacklevel=2)
+        raise CommError(f"a {kind} round failed {self.attempts} times; giving up")
+
+    def _commit(self, strategy, kind: str, attempt: int) -> None:
+        self._committed = strategy.snapshot()
+        self.rounds.append({"step": strategy.steps_done, "kind": kind, "workers": self.manager.num_participants(),
+                            "contributors": self.contributors, "attempts": attempt})
+
+    def join(self, strategy) -> int:
+        """Enter the run: a fresh start with the others, or, if they are ahead, recovery from a peer and one
+        round taken part in without contributing. Returns the step counter to continue from."""
+        self._committed = strategy.snapshot()
+        for attempt in range(1, self.attempts + 1):
+            self._received = None
+            self.manager.start_quorum()
+            received, self._received = self._received, None
+            if received is None:  # everyone is starting: nothing to recover, the same weights everywhere
+                same = self._same_start(strategy)
+                if self.manager.should_commit():
+                    if not same:
+                        raise ConfigError("the workers start from different weights: build every replica from the "
+                                          "same seed (under torchft nothing broadcasts worker 0's weights)")
+                    self._commit(strategy, "start", attempt)
+                    return strategy.steps_done
+                continue
+            strategy.restore(received["state"])
+            strategy.forget_own_errors()
+            self.contributing = False
+            try:
+                strategy.mirror_round(received["kind"], received["resume_at"])
+            except Exception:
+                if self.manager.errored() is None:
+                    raise
+            finally:
+                self.contributing = True
+            if self.manager.should_commit():
+                strategy.steps_done = received["resume_at"]
+                self._commit(strategy, "recovered:" + received["kind"], attempt)
+                return strategy.steps_done
+        raise CommError(f"could not join the run after {self.attempts} attempts")
+
+    @torch.no_grad()
+    def _same_start(self, strategy) -> bool:
+        mine = torch.stack([p.detach().double().sum() for p in strategy.workers[0].params])
+        mean = mine.clone()
+        self._all_reduce_mean([[mean]])
+        return bool(torch.allclose(mean, mine, rtol=1e-9, atol=1e-12))
+
+    # --- collectives ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        from torch.distributed import ReduceOp
+
+        tensors = list(per_worker[0])
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype if t.is_floating_point() else torch.float64, []).append(t)
+        for dtype, bucket in by_dtype.items():
+            flat = torch.cat([t.reshape(-1).to(dtype) for t in bucket] + [torch.ones(1, dtype=dtype, device=bucket[0].device)])
+            if not self.contributing:
+                flat.zero_()
+            self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+            count = float(flat[-1])
+            self.contributors = round(count)
+            if count < 0.5:  # nobody contributed: only possible after a failure, which the commit will see
+                continue
+            offset = 0
+            for t in bucket:
+                t.copy_((flat[offset: offset + t.numel()] / count).view_as(t))
+                offset += t.numel()
+
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        raise ConfigError("backend 'torchft' averages only: set strategy.compress to none or bf16")
+
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        raise ConfigError("backend 'torchft' averages only: set strategy.compress to none or bf16")
+
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        # the one broadcast (the initial parameters) is replaced by a check in the start round that every
+        # worker starts from the same weights; a recovering worker receives them from a peer
+        pass
+
+    def broadcast(self, per_worker: TensorLists, tag: str, src: int = 0) -> None:
+        if tag != "init":
+            raise ConfigError(f"backend 'torchft' has no broadcast ({tag!r})")
+
+    def barrier(self) -> None:
+        """Nothing to wait for: the workers meet at each round's quorum."""
+
+    def close(self, clean: bool = True) -> None:
+        self.manager.shutdown(wait=False)
+
