@@ -144,6 +144,8 @@ def test_strategies_that_communicate_every_step_are_refused(lighthouse):
         model(torch.ones(2, 8)).sum().backward()
         with pytest.raises(CommError, match=r"call join\(\) once before the first step"):
             opt.step()
+        with pytest.raises(CommError, match=r"communicates only in the synchronisations' rounds"):
+            opt.average_into(nn.Linear(8, 8))
     finally:
         comm.close()
 

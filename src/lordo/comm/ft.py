@@ -84,6 +84,7 @@ class TorchFTCommunicator(Communicator):
         self._committed: dict[str, Any] | None = None  # what a recovering peer receives
         self._current: tuple[str, int] = ("start", 0)
         self._received: dict[str, Any] | None = None
+        self._in_round = False  # collectives only inside a round, where a quorum stands
 
     @classmethod
     def from_env(cls, workers: int = 1, timeout_s: float = 60.0) -> TorchFTCommunicator:
@@ -124,12 +125,15 @@ class TorchFTCommunicator(Communicator):
             if self._received is not None:  # only a worker that was behind receives a state
                 raise CommError(f"worker {self.local_ranks[0]} was behind the others at a {kind} round; call "
                                 "join() once before training (DistributedOptimizer.join)")
+            self._in_round = True
             try:
                 result = fn()
             except Exception:
                 if self.manager.errored() is None:
                     raise
                 result = None  # a peer failed mid-round: the inputs were garbage, the round is retried
+            finally:
+                self._in_round = False
             if self.manager.should_commit():
                 self._commit(strategy, kind, attempt)
                 return result
@@ -151,8 +155,10 @@ class TorchFTCommunicator(Communicator):
             self._received = None
             self.manager.start_quorum()
             received, self._received = self._received, None
+            self._in_round = True
             if received is None:  # everyone is starting: nothing to recover, the same weights everywhere
                 same = self._same_start(strategy)
+                self._in_round = False
                 if self.manager.should_commit():
                     if not same:
                         raise ConfigError("the workers start from different weights: build every replica from the "
@@ -169,7 +175,7 @@ class TorchFTCommunicator(Communicator):
                 if self.manager.errored() is None:
                     raise
             finally:
-                self.contributing = True
+                self.contributing, self._in_round = True, False
             if self.manager.should_commit():
                 strategy.steps_done = received["resume_at"]
                 self._commit(strategy, "recovered:" + received["kind"], attempt)
@@ -188,6 +194,9 @@ class TorchFTCommunicator(Communicator):
     def _all_reduce_mean(self, per_worker: TensorLists) -> None:
         from torch.distributed import ReduceOp
 
+        if not self._in_round:
+            raise CommError("backend 'torchft' communicates only in the synchronisations' rounds (a quorum stands "
+                            "there); average models or losses over workers after finish(), or evaluate each worker's own")
         tensors = list(per_worker[0])
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
