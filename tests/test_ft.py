@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,60 @@ def test_the_example_trains_two_workers(lighthouse, data_dir):
     losses = {float(re.search(r"val loss ([0-9.]+)", o).group(1)) for o in outs}
     assert len(losses) == 1 and math.isfinite(losses.pop())  # both workers end with the same model
     assert "5 rounds, 0 run again, workers per round [2, 2, 2, 2, 2]" in outs[0]  # start, initial basis, 3 syncs
+
+
+NANO = ["--model", "nano", "--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.eval_every=1000",
+        "--set", "schedule.warmup_steps=2", "--set", "strategy.sync_every=8", "--set", "strategy.rank=4",
+        "--set", "train.log_every=8"]
+
+
+def test_lordo_train_goes_on_without_a_killed_worker_and_takes_it_back(lighthouse, data_dir, tmp_path):
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_MIN_REPLICAS": "2", "OMP_NUM_THREADS": "1",
+           "TORCHFT_QUORUM_TIMEOUT_SEC": "90"}  # a worker left waiting for a quorum fails instead of hanging
+
+    def start(replica: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "lordo.cli", "train", *NANO, "--steps", "300", "--workers", "3", "--backend",
+               "torchft", "--data-dir", str(data_dir), "--out", str(tmp_path / f"w{replica}")]
+        log = open(tmp_path / f"log-{replica}.txt", "a")
+        return subprocess.Popen(cmd, env={**env, "REPLICA_GROUP_ID": str(replica)}, stdout=log, stderr=subprocess.STDOUT)
+
+    procs = [start(r) for r in range(3)]
+    try:
+        metrics = tmp_path / "w2" / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (metrics.exists() and '"step": 24,' in metrics.read_text()):
+            time.sleep(0.05)
+        procs[2].kill()  # SIGKILL, between two synchronisations or inside one
+        assert procs[2].wait(timeout=30) == -9
+        procs[2] = start(2)  # the same command: it recovers from the others
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = "\n".join(f.read_text()[-2000:] for f in sorted(tmp_path.glob("log-*")))
+    assert codes == [0, 0, 0], logs
+    models = [torch.load(tmp_path / f"w{r}" / "model.pt") for r in range(3)]
+    for other in models[1:]:
+        assert all(torch.equal(models[0][k], other[k]) for k in models[0])  # one model, the restarted worker's too
+    summaries = [json.loads((tmp_path / f"w{r}" / "summary.json").read_text()) for r in range(3)]
+    resumed = summaries[2]["resumed_from_step"]
+    assert 24 < resumed < 300 and resumed % 8 == 0, logs
+    assert f"recovered from a peer: continuing at step {resumed}" in (tmp_path / "log-2.txt").read_text()
+    seen = [r["contributors"] for r in summaries[0]["rounds"]]
+    assert seen[:3] == [3, 3, 3] and 2 in seen and seen[-1] == 3  # 3 workers, then 2, then 3 again
+    rows = [json.loads(line) for line in (tmp_path / "w0" / "metrics.jsonl").read_text().splitlines()]
+    assert {row["workers"] for row in rows if "workers" in row} == {2, 3}
+    assert math.isfinite(summaries[0]["val_loss"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.on_nonfinite=\"skip\"", r"needs train.on_nonfinite = \"stop\""),
+    ("train.precision=\"fp16-mixed\"", r"does not take train.precision = \"fp16-mixed\""),
+    ("dist.ranks_per_worker=2", r"runs one process per worker"),
+])
+def test_trainer_settings_that_would_desynchronise_rounds_are_refused(override, message):
+    from lordo.config import build_config
+
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, ["dist.backend=\"torchft\"", override])

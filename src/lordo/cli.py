@@ -225,7 +225,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="strategy.name: lordo (the default), ddp, local-adam, lordo-global-noqh, lordo-local, lowrank-ddp",
     )
     t.add_argument("--workers", type=int, metavar="M", help="dist.workers: number of data-parallel workers")
-    t.add_argument("--backend", metavar="B", help="dist.backend: auto, sim, gloo or nccl")
+    t.add_argument("--backend", metavar="B", help="dist.backend: auto, sim, gloo, nccl or torchft")
     t.add_argument("--sync-every", type=int, metavar="K", help="strategy.sync_every: local steps between syncs")
     t.add_argument("--rank", type=int, metavar="R", help="strategy.rank: rank of the low-rank moments")
     t.add_argument("--omega", type=float, metavar="W", help="strategy.omega: QH weight on the low-rank momentum")

@@ -255,7 +255,9 @@ class DistConfig(_Section):
                                "every step; LoRDO between workers); torch.distributed only, M x this many processes",
                                _positive)
     backend: str = _f("auto", "sim = M workers in this process; gloo/nccl = torch.distributed; auto = torch.distributed "
-                      "under torchrun (gloo on CPU, nccl on CUDA), else sim", _choice("auto", "sim", "gloo", "nccl"))
+                      "under torchrun (gloo on CPU, nccl on CUDA), else sim; torchft = one worker per process, started "
+                      "on its own, that may fail without stopping the others (docs/multi-node.md)",
+                      _choice("auto", "sim", "gloo", "nccl", "torchft"))
     timeout_s: float = _f(300.0, "seconds a collective may wait for a peer before the run fails", _positive)
 
 
@@ -291,6 +293,8 @@ class Config:
                 f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
                 f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
             )
+        if self.dist.backend == "torchft":
+            self._check_torchft()
         if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
             raise ConfigError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
@@ -298,6 +302,18 @@ class Config:
             )
         if self.optim.lr == 0:  # the strategy's default
             self.optim.lr = DEFAULT_LR[self.strategy.name]
+
+    def _check_torchft(self) -> None:
+        """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step
+        the others take (their rounds would no longer meet)."""
+        if self.train.on_nonfinite != "stop":
+            raise ConfigError("dist.backend = \"torchft\" needs train.on_nonfinite = \"stop\" (a worker that skipped a "
+                              "step alone would miss the others' synchronisations; one that stops is recovered)")
+        if self.train.precision == "fp16-mixed":
+            raise ConfigError("dist.backend = \"torchft\" does not take train.precision = \"fp16-mixed\" (a loss-scaling "
+                              "skip on one worker would desynchronise the rounds); use bf16-mixed")
+        if self.dist.ranks_per_worker != 1:
+            raise ConfigError("dist.backend = \"torchft\" runs one process per worker (dist.ranks_per_worker = 1)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

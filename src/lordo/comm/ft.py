@@ -101,6 +101,11 @@ class TorchFTCommunicator(Communicator):
                 raise ConfigError(f"${key} must be an integer, got {raw!r}") from None
         return cls(values[ENV_REPLICAS], values[ENV_REPLICA], min_workers=values[ENV_MIN], timeout_s=timeout_s)
 
+    @property
+    def is_main(self) -> bool:
+        """Every worker logs and writes its own files (each its own output folder): any of them may fail."""
+        return True
+
     # --- the state a recovering peer receives ----------------------------------------------------------
     def _offer(self) -> dict[str, Any]:
         """Called by torchft (on its quorum thread) when a peer recovers from this worker."""

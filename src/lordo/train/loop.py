@@ -209,7 +209,9 @@ class Trainer:
                          for shard, shards in comm.data_shards()]
         self.val = eval_batches(self.data.val, cfg.model.seq_len, t.batch_size, t.eval_batches)
         # between synchronisations the workers' models differ: evaluations score their average, in a spare
-        self.spare = copy.deepcopy(self.models[0]) if t.eval_model == "average" and comm.world_size > 1 else None
+        # (not under torchft: a collective outside the synchronisations' rounds; each worker scores its own)
+        averaged = t.eval_model == "average" and comm.world_size > 1 and not comm.fault_tolerant
+        self.spare = copy.deepcopy(self.models[0]) if averaged else None
         self.tokens_per_step = comm.data_shards()[0][1] * t.batch_size * cfg.model.seq_len  # over all ranks
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
@@ -233,7 +235,9 @@ class Trainer:
         self.log(f"model: {cfg.model.preset}, {m.num_params():,} parameters, vocab {self.data.vocab_size}, device "
                  f"{self.device}; strategy {cfg.strategy.name}, {self.comm.world_size} worker(s) on {type(self.comm).__name__}")
         self.log(format_groups(self.optimizer.groups[0]))
-        if self.checkpoints.has_checkpoint():
+        if self.comm.fault_tolerant:
+            self.join()
+        elif self.checkpoints.has_checkpoint():
             self.resume()
         if self.main:
             self._write_config()
@@ -344,11 +348,13 @@ class Trainer:
         if not (step % t.log_every == 0 or step == t.steps or "synced" in stats or "basis_overlap" in stats):
             return {}
         s = self.state
-        if len(self.comm.local_ranks) < self.comm.world_size:  # one worker per process: the mean over all of them
-            self.comm.all_reduce_mean([[self.window]], tag="train_loss", accounted=False)
+        if len(self.comm.local_ranks) < self.comm.world_size and not self.comm.fault_tolerant:
+            self.comm.all_reduce_mean([[self.window]], tag="train_loss", accounted=False)  # the mean over workers
         s.loss_sum += float(self.window)  # the only read of the training loss
         row = {"step": step, "tokens": step * self.tokens_per_step, "lr": lr,
                "train_loss": s.loss_sum / s.loss_n if s.loss_n else float("nan"), **stats}
+        if self.comm.fault_tolerant and "synced" in stats:
+            row["workers"] = self.comm.contributors  # who took part in this synchronisation
         s.loss_sum, s.loss_n = 0.0, 0
         self.window.zero_()
         return row
@@ -359,7 +365,7 @@ class Trainer:
         if self.optimizer.in_sync:
             model, which = self.models[0], "synced"
         elif self.spare is None:
-            model, which = self.models[0], "worker0"
+            model, which = self.models[0], f"worker{self.comm.local_ranks[0]}"
         else:
             self.optimizer.average_into(self.spare)  # a collective: every process, every evaluation
             model, which = self.spare, "average"
@@ -377,8 +383,22 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- checkpoints, resume
 
+    def join(self) -> None:
+        """Under torchft: start with the other workers, or recover from them and continue at their step."""
+        step = self.optimizer.join()
+        if step:
+            self.log(f"recovered from a peer: continuing at step {step}")
+            self.state.step = step
+            for sampler in self.samplers:
+                sampler.position = step  # the batches depend on the step alone
+
     def _checkpoint_if_due(self, step: int, stop_requested: bool, signum: int | None) -> None:
         t = self.cfg.train
+        if self.comm.fault_tolerant:  # a worker recovers from its peers, not from files
+            if stop_requested and step < t.steps:
+                raise Stopped(f"stopped after step {step}; the other workers go on. Start this worker again (the same "
+                              "command) and it recovers from them", 128 + (signum or signal.SIGTERM))
+            return
         if not ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps or stop_requested):
             return
         saved = self.save_checkpoint(step)

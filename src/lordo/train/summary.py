@@ -62,6 +62,8 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "resumed_from_step": resumed_from,
         "out_dir": str(trainer.out),
     }
+    if getattr(comm, "fault_tolerant", False):  # torchft: each committed round's step, kind and workers
+        summary["rounds"] = comm.rounds
     for key, values in state.diagnostics.items():
         summary[f"{key}_mean"] = sum(values) / len(values)
         summary[f"{key}_last"] = values[-1]
