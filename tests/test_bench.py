@@ -51,3 +51,13 @@ def test_a_bad_device_is_refused_by_name(capsys):
     for bad in ("gpu", "mps"):
         assert main(["bench", "step", "--preset", "nano", "--device", bad]) != 0
         assert f"--device must be cpu, cuda or cuda:N, got {bad!r}" in capsys.readouterr().err
+
+
+def test_the_memory_benchmark_keeps_the_committed_table_for_its_default_shapes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "memory", "--shapes", "nano"]) == 0
+    written = list((tmp_path / "benchmarks" / "results").iterdir())
+    assert [p.name for p in written] == ["memory-nano.json"]  # not memory.json, the default shapes' table
+    rows = json.loads(written[0].read_text())["rows"]
+    plain = next(r for r in rows if r["name"] == "lordo")
+    assert plain["shape"] == "nano" and plain["device_bytes"] > 0

@@ -553,7 +553,10 @@ def main(argv: list[str]) -> int:
         print_table("optimizer-related bytes on the training device, one worker, r = min(p, q)/8", res["rows"],
                     [("shape", "shape", "s"), ("params", "params", ","), ("name", "state", "s"),
                      ("device_bytes", "device bytes", ","), ("device_vs_adamw", "× AdamW", ".2f")])
-        write_json(out or Path("benchmarks/results/memory.json"), res)
+        # the committed table is the default shapes'; another selection gets a file of its own
+        default = args.shapes == make_parser().parse_args(["memory"]).shapes
+        name = "memory" if default else "memory-" + "-".join(x for x in args.shapes.split(",") if x)
+        write_json(out or Path(f"benchmarks/results/{name}.json"), res)
     elif args.what == "wire":
         worlds = tuple(int(x) for x in args.workers.split(",") if x)
         if not worlds or min(worlds) < 2:
