@@ -140,6 +140,8 @@ def test_strategies_that_communicate_every_step_are_refused(lighthouse):
         with pytest.raises(ConfigError, match=r"sync_exp_avg_every / sync_exp_avg_sq_every \(moment_periods\) average moments between"):
             lordo.distributed(nn.Linear(8, 8), "local-adam", backend=comm, average_moments="all",
                               sync_exp_avg_sq_every=8)
+        with pytest.raises(ConfigError, match=r"strategy.compress = 'int4' gathers quantised shards"):
+            lordo.distributed(nn.Linear(8, 8), "lordo", backend=comm, rank=4, compress="int4")
         model = nn.Linear(8, 8)
         opt = lordo.distributed(model, "lordo", backend=comm, rank=4)
         model(torch.ones(2, 8)).sum().backward()

@@ -67,6 +67,9 @@ class LocalUpdateStrategy(Strategy):
             raise ConfigError("strategy.sync_exp_avg_every / sync_exp_avg_sq_every (moment_periods) average moments "
                               "between synchronisations; a fault-tolerant backend (torchft) communicates only at "
                               "synchronisations: leave them at 0")
+        if comm.fault_tolerant and compress in ("int8", "int4"):
+            raise ConfigError(f"strategy.compress = {compress!r} gathers quantised shards; a fault-tolerant backend "
+                              "(torchft) only averages: use none or bf16")
         self.sync_every, self.average = sync_every, average_moments
         self.codecs = sync_codecs(compress)
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
