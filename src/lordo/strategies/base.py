@@ -23,11 +23,6 @@ from ..comm import Communicator
 from ..errors import ConfigError
 
 
-def clone_tree(tree: Any) -> Any:
-    """A deep copy in which every tensor is a fresh copy (state dicts hold references to live buffers)."""
-    return copy.deepcopy(tree)
-
-
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -219,7 +214,8 @@ class Strategy(ABC):
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of everything a round may change on the hosted workers: models (parameters, buffers) and state."""
-        return {"models": [clone_tree(w.model.state_dict()) for w in self.workers], "state": clone_tree(self.state_dict())}
+        # deep copies: state dicts hold references to the live tensors
+        return copy.deepcopy({"models": [w.model.state_dict() for w in self.workers], "state": self.state_dict()})
 
     def restore(self, snapshot: dict[str, Any]) -> None:
         for w, saved in zip(self.workers, snapshot["models"], strict=True):
