@@ -1,6 +1,7 @@
 """One worker of the torchft tests (tests/test_ft.py), started as its own process: a small regression
 model trained by lordo over a TorchFTCommunicator. Its settings come as one JSON argument; it writes
-``started-<replica>-<incarnation>`` once its Manager is up and ``result-<replica>.json`` at the end."""
+``started-<replica>-<incarnation>`` once its Manager is up, ``held-<replica>`` when it waits at ``wait_at``, and
+``result-<replica>.json`` at the end."""
 
 from __future__ import annotations
 
@@ -46,11 +47,17 @@ def main() -> None:
 
         comm._all_reduce_mean = dying
     (out / f"started-{replica}-{cfg['incarnation']}").write_text(str(os.getpid()))
+    for name in cfg.get("join_after", []):  # join at a known round: once the others are held at wait_at
+        deadline = time.monotonic() + 120
+        while not (out / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     start = opt.join()
+    after_16 = None
     for step in range(start + 1, cfg["steps"] + 1):
         if step == cfg.get("die_at"):
             os.kill(os.getpid(), signal.SIGKILL)  # between two synchronisations, without a word
         if step == cfg.get("wait_at"):  # hold the survivors until the restarted worker is up
+            (out / f"held-{replica}").write_text(str(step))
             deadline = time.monotonic() + 120
             while not (out / cfg["wait_for"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -60,13 +67,15 @@ def main() -> None:
             raise SystemExit(f"non-finite loss at step {step}")
         loss.backward()
         opt.step()
+        if step == 16:  # the model every worker holds after the round of step 16
+            after_16 = [p.detach().tolist() for p in model.parameters()]
     opt.finish()
     with torch.no_grad():
         x, y = batch(99, 0)
         val = float(nn.functional.mse_loss(model(x), y))
     inner = opt.strategy.optimizer(0) if hasattr(opt.strategy, "optimizer") else None
     bases = [inner.state[p]["basis"].tolist() for p, _ in inner.lowrank_params()] if inner is not None else []
-    result = {"start": start, "val_loss": val, "params": [p.detach().tolist() for p in model.parameters()],
+    result = {"start": start, "after_16": after_16, "val_loss": val, "params": [p.detach().tolist() for p in model.parameters()],
               "bases": bases, "rounds": comm.rounds}
     (out / f"result-{replica}.json").write_text(json.dumps(result))
     opt.close()
