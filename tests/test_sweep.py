@@ -86,6 +86,46 @@ def test_failed_point_is_recorded_the_sweep_goes_on_and_a_rerun_skips_done_point
     assert [p["status"] for p in json.loads((tmp_path / "out" / "sweep.json").read_text())["points"]] == ["failed", "done"]
 
 
+def test_swept_numbers_average_seeds_per_value_and_line():
+    from lordo.experiments.report import swept_numbers
+
+    def run(name, rank, seed, ppl):
+        return {"values": {"strategy.name": name, "strategy.rank": rank, "train.seed": seed}, "summary": {"val_ppl": ppl}}
+
+    runs = [run("lordo", 16, 0, 40.0), run("lordo", 16, 1, 44.0), run("lordo", 4, 0, 50.0), run("lordo", 64, 0, 38.0),
+            run("lordo-local", 4, 0, 52.0), run("lordo-local", 16, 0, 45.0), run("lordo-local", 64, 0, 41.0)]
+    series = swept_numbers(runs)
+    assert list(series) == ["strategy.rank"]  # the name is not numeric, the seed is averaged over
+    lordo = series["strategy.rank"]["name=lordo"]
+    assert lordo[0] == (4, 50.0, 0.0) and lordo[2] == (64, 38.0, 0.0)
+    assert lordo[1][:2] == (16, 42.0) and abs(lordo[1][2] - 8 ** 0.5) < 1e-12  # stdev of 40, 44
+    assert [x for x, _, _ in series["strategy.rank"]["name=lordo-local"]] == [4, 16, 64]
+    assert swept_numbers(runs[:3]) == {}  # two ranks only: no curve to draw
+    assert list(swept_numbers(runs[:4])["strategy.rank"]) == [""]  # one strategy: one line, no label
+
+
+def test_report_draws_perplexity_against_a_swept_number(tmp_path):
+    from lordo.experiments.report import write_report
+
+    points = []
+    for name in ("lordo", "lordo-local"):
+        for rank in (4, 16, 64):
+            folder = tmp_path / f"rank-{rank}__name-{name}"
+            folder.mkdir()
+            summary = {"val_ppl": 40.0 + rank / 8, "val_loss": 3.7, "steps": 10, "comm_bytes_per_step": 100.0,
+                       "comm_wire_bytes_total": 1000, "ddp_comm_wire_bytes": 20000, "comm_bytes_total": 1000, "params": 1000,
+                       "optimizer_state_bytes": {"moments": 800}}
+            (folder / "summary.json").write_text(json.dumps(summary))
+            (folder / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss": 3.7, "comm_wire_bytes": 1000}) + "\n")
+            points.append({"name": folder.name, "dir": str(folder), "status": "done",
+                           "values": {"strategy.rank": rank, "strategy.name": name}})
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    report = write_report(tmp_path).read_text()
+    png = tmp_path / "plots" / "val_ppl_vs_rank.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plots/val_ppl_vs_rank.png" in report
+    assert "| rank=64, name=lordo-local | 1 | 48.00 |" in report
+
+
 def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_dir):
     f = write(tmp_path, NANO_BASE.format(data=data_dir)
               + '[base.dist]\nworkers = 2\n[base.strategy]\nrank = 4\nsync_every = 2\n'

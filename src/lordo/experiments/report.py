@@ -2,7 +2,9 @@
 
 ``lordo report DIR`` reads every ``DIR/<point>/summary.json`` and ``metrics.jsonl`` and writes
 ``DIR/report.md`` and ``DIR/plots/*.png``: validation loss against steps and against bytes sent per worker
-(wire bytes, log axis), basis overlap at each synchronisation, and optimizer-state memory by category.
+(wire bytes, log axis), basis overlap at each synchronisation, optimizer-state memory by category, and for
+each numeric key the sweep varies over three or more values (rank, omega, batch size, ...) the final
+validation perplexity against it, one line per setting of the other keys (``val_ppl_vs_<key>.png``).
 """
 
 from __future__ import annotations
@@ -178,6 +180,21 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
         ax.legend(fontsize=6)
         written.append(_save(fig, folder / "basis_overlap.png"))
 
+    for key, series in swept_numbers(runs).items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, points in series.items():
+            ax.errorbar([x for x, _, _ in points], [m for _, m, _ in points], yerr=[s for _, _, s in points],
+                        marker="o", ms=4, capsize=3, label=label or "runs")
+        short = key.split(".")[-1]
+        log_x = min(x for pts in series.values() for x, _, _ in pts) > 0
+        ax.set(xscale="log" if log_x else "linear", xlabel=key, ylabel="final validation perplexity",
+               title=f"validation perplexity vs {short} (mean ± std over seeds)")
+        if log_x:
+            xs = sorted({x for pts in series.values() for x, _, _ in pts})
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.legend(fontsize=7)
+        written.append(_save(fig, folder / f"val_ppl_vs_{short}.png"))
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     categories = sorted({c for run in runs for c in run["summary"]["optimizer_state_bytes"]})
     bottoms = [0.0] * len(runs)
@@ -191,6 +208,26 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
     fig.tight_layout()
     written.append(_save(fig, folder / "optimizer_memory.png"))
     return written
+
+
+def swept_numbers(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float, float]]]]:
+    """For each numeric key the runs vary over at least 3 values (the seed aside): one series per setting of
+    the other varied keys (its label), of (value, mean final validation perplexity, std over seeds) sorted by
+    value; the std is 0 for a single seed."""
+    varied = {k for run in runs for k in run["values"] if k != "train.seed"
+              and len({json.dumps(r["values"].get(k)) for r in runs}) > 1}
+    out: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
+    for key in sorted(varied):
+        values = {r["values"].get(key) for r in runs}
+        if len(values) < 3 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        cells: dict[str, dict[float, list[float]]] = {}
+        for r in runs:
+            label = ", ".join(f"{k.split('.')[-1]}={r['values'].get(k)}" for k in sorted(varied - {key}))
+            cells.setdefault(label, {}).setdefault(r["values"][key], []).append(r["summary"]["val_ppl"])
+        out[key] = {label: [(x, statistics.mean(ys), statistics.stdev(ys) if len(ys) > 1 else 0.0)
+                            for x, ys in sorted(by_x.items())] for label, by_x in sorted(cells.items())}
+    return out
 
 
 def _save(fig, path: Path) -> Path:
