@@ -8,6 +8,10 @@ One process (a single worker; nothing is communicated):
 
     python examples/plain_loop.py --steps 60
 
+Four processes as two workers of two ranks, each worker's model sharded over its ranks with FSDP2:
+
+    torchrun --standalone --nproc-per-node 4 examples/plain_loop.py --ranks-per-worker 2 --fsdp
+
 The data is lordo's bundled corpus (run `lordo data fetch` once); swap in your own token stream.
 """
 
@@ -64,6 +68,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--data-dir", default=os.environ.get("LORDO_DATA_DIR", "data"))
+    ap.add_argument("--ranks-per-worker", type=int, default=1, help="consecutive ranks that form one LoRDO worker")
+    ap.add_argument("--fsdp", action="store_true", help="shard each worker's model over its ranks (FSDP2)")
     args = ap.parse_args()
 
     if "RANK" in os.environ:  # started by torchrun: one worker per process
@@ -83,8 +89,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(1000 + rank)  # each worker reads its own batches
 
     model = TinyLM(data.vocab_size, seq=seq)
+    if args.fsdp:  # each block, then the rest, sharded over the worker's ranks; matrices along their long side
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = lordo.worker_mesh(args.ranks_per_worker)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, shard_placement_fn=lordo.optim.fsdp_placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=lordo.optim.fsdp_placement)
     # --- the ten lines that matter ---
-    opt = lordo.distributed(model, args.strategy, lr=args.lr, rank=args.rank, sync_every=args.sync_every)
+    opt = lordo.distributed(model, args.strategy, lr=args.lr, rank=args.rank, sync_every=args.sync_every,
+                            ranks_per_worker=args.ranks_per_worker)
     # any torch LR scheduler: 10 warm-up steps, then cosine
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda step: min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / args.steps)))

@@ -12,9 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(script, data_dir, *args):
+def torchrun(script, data_dir, *args, processes=2):
     env = {**os.environ, "LORDO_DATA_DIR": str(data_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
            str(ROOT / "examples" / script), "--steps", "20", "--sync-every", "8", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -30,8 +30,23 @@ def check_final_lines(out):
     assert out.count("(synced)") == 2
 
 
-def test_plain_loop_example_on_two_gloo_processes(data_dir):
-    check_final_lines(torchrun("plain_loop.py", data_dir))
+@pytest.fixture(scope="module")
+def plain_loop(data_dir):
+    return torchrun("plain_loop.py", data_dir)
+
+
+def state_bytes(out):
+    return int(re.search(r"optimizer state ([0-9,]+) bytes", out).group(1).replace(",", ""))
+
+
+def test_plain_loop_example_on_two_gloo_processes(plain_loop):
+    check_final_lines(plain_loop)
+
+
+def test_plain_loop_example_with_workers_sharded_by_fsdp2(data_dir, plain_loop):
+    out = torchrun("plain_loop.py", data_dir, "--ranks-per-worker", "2", "--fsdp", processes=4)
+    check_final_lines(out)  # 2 workers of 2 ranks
+    assert state_bytes(out) < 0.6 * state_bytes(plain_loop)  # a rank holds its shards (and whole bases)
 
 
 def test_hf_llama_example_on_two_gloo_processes(data_dir):

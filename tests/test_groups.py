@@ -76,28 +76,3 @@ def test_lordo_train_with_worker_groups_runs_and_resumes(data_dir, tmp_path):
 def test_worker_groups_need_torch_distributed():
     with pytest.raises(lordo.ConfigError, match="ranks_per_worker > 1 needs torch.distributed"):
         lordo.distributed([tiny_model(), tiny_model()], "lordo", backend="sim", ranks_per_worker=2)
-
-
-def fsdp2_worker():
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo")
-    try:
-        model = tiny_model()
-        fully_shard(model)
-        try:
-            lordo.distributed(model, "lordo", rank=2, backend="gloo")
-        except lordo.ConfigError as exc:
-            return str(exc)
-        return "accepted"
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_sharded_parameters_are_refused_with_what_to_do():
-    results = run_gloo(fsdp2_worker, 2)
-    for status, message in results.values():
-        assert status == "ok", message
-        assert "sharded across ranks (DTensor, e.g. from FSDP2's fully_shard) are not supported yet" in message
-        assert "ranks_per_worker" in message

@@ -249,14 +249,17 @@ def test_state_bytes_by_category():
     assert opt.state_bytes()["error_feedback"] == 64 * 16 * 4
 
 
-def test_optimizer_package_never_imports_torch_distributed():
+def test_optimizer_package_imports_torch_distributed_only_for_sharded_parameters():
     root = Path(__file__).resolve().parents[1] / "src" / "lordo" / "optim"
     files = sorted(root.glob("*.py"))
     assert len(files) >= 4
+    anywhere = r"^\s*(import|from)\s+torch\.distributed|^\s*from\s+torch\s+import\s+.*\bdistributed\b"
     for f in files:
         code = f.read_text()
-        assert not re.search(r"^\s*(import|from)\s+torch\.distributed|^\s*from\s+torch\s+import\s+.*\bdistributed\b",
-                             code, flags=re.M), f
+        if f.name == "sharded.py":  # inside the functions that meet a DTensor, never at import
+            assert re.search(anywhere, code, flags=re.M) and not re.search(r"^(import|from)\s+torch\.distributed", code, flags=re.M)
+            continue
+        assert not re.search(anywhere, code, flags=re.M), f
         assert "dist." not in code, f
 
 

@@ -3,6 +3,7 @@
 The public surface (stable within a minor version) is what ``__all__`` lists:
 
 - :func:`distributed` / :class:`DistributedOptimizer`: LoRDO or a baseline strategy in your training loop;
+  :func:`worker_mesh`: the ranks of this process's worker, to shard the model over them with FSDP2;
 - :class:`LowRankQHAdam`: the single-worker low-rank QH-Adam optimizer (``torch.optim.Optimizer``);
 - :class:`Config`, :func:`build_config`: the configuration behind ``lordo train`` (the trainer itself is
   ``lordo.train.loop.train``);
@@ -10,7 +11,7 @@ The public surface (stable within a minor version) is what ``__all__`` lists:
   :class:`NonFiniteError`, :class:`CommError`.
 """
 
-from .api import DistributedOptimizer, distributed
+from .api import DistributedOptimizer, distributed, worker_mesh
 from .comm.torch_dist import CommError
 from .config import STRATEGY_NAMES, Config, build_config
 from .errors import ConfigError, DataError, LordoError, NonFiniteError
@@ -32,4 +33,5 @@ __all__ = [
     "__version__",
     "build_config",
     "distributed",
+    "worker_mesh",
 ]

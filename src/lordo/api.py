@@ -30,8 +30,9 @@ from .comm.ledger import wire_bytes
 from .config import Config, OptimConfig, StrategyConfig, build_config
 from .errors import ConfigError
 from .model.params import ParamGroup, group_by_module, group_parameters
+from .optim.sharded import local
 from .strategies import STRATEGIES, Strategy, build_strategy
-from .strategies.base import refuse_sharded
+from .strategies.base import check_sharding, sharded_names
 
 BACKENDS = ("auto", "sim", "gloo", "nccl", "torchft")
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
@@ -81,9 +82,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
             )
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
-        refuse_sharded(self.models)
-        # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast)
-        comm.broadcast([[p.data for p in m.parameters()] for m in self.models], tag="init")
+        check_sharding(self.models, comm)
+        # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
+        # a sharded model's ranks each send their shards)
+        comm.broadcast([[local(p).data for p in m.parameters()] for m in self.models], tag="init")
         if groups is None:
             groups = [default_groups(m) for m in self.models]
         self.groups = [list(g) for g in groups]
@@ -165,10 +167,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters: the model all workers would hold if they synchronised now, without changing the run.
         A collective (every process must call it) that is not counted in the ledger; between
         synchronisations it is the fair model to evaluate, where worker 0's own model has drifted."""
-        mine = [[p.detach().clone() for p in m.parameters()] for m in self.models]
+        mine = [[local(p).detach().clone() for p in m.parameters()] for m in self.models]
         self.comm.all_reduce_mean(mine, tag="evaluation", accounted=False)
         for target, mean in zip(model.parameters(), mine[0], strict=True):
-            target.copy_(mean)
+            local(target).copy_(mean)
 
     def join(self) -> int:
         """Fault tolerance (``backend="torchft"``): call once, before the first step. With the other workers
@@ -214,13 +216,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.comm.ledger
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state one worker holds, by category (``... (host)``: kept in host memory), with
+        """Bytes of optimizer state one worker holds (a rank, for a model sharded over the worker's ranks), by
+        category (``... (host)``: kept in host memory), with
         ``total``, ``device_total`` (on the training device) and ``adamw`` (two fp32 moments of every trained
         parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
         report = dict(self.strategy.state_bytes())
         report["total"] = sum(report.values())
         report["device_total"] = report["total"] - sum(v for k, v in report.items() if k.endswith("(host)"))
-        report["adamw"] = 2 * 4 * sum(p.numel() for p in self.strategy.workers[0].params)
+        # per rank of a sharded model: its shards
+        report["adamw"] = 2 * 4 * sum(t.numel() for t in self.strategy.workers[0].tensors)
         return report
 
     def comm_report(self) -> dict[str, Any]:
@@ -342,8 +346,12 @@ def distributed(
     if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
         raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
     given = isinstance(backend, Communicator)
+    sharded = bool(sharded_names(models))
+    if sharded and backend in ("sim", "torchft"):
+        raise ConfigError(f"a model sharded over ranks (FSDP2) runs under torch.distributed with worker groups; backend "
+                          f"{backend!r} cannot: use gloo, nccl or auto with ranks_per_worker")
     comm = backend if isinstance(backend, Communicator) else make_communicator(backend, len(models), timeout_s, device,
-                                                                                ranks_per_worker)
+                                                                                ranks_per_worker, sharded)
     if len(models) > 1 and len(comm.local_ranks) != len(models):
         if not given:
             comm.close(clean=False)
@@ -361,4 +369,31 @@ def distributed(
         raise
 
 
-__all__ = ["DistributedOptimizer", "distributed", "default_groups"]
+def worker_mesh(ranks_per_worker: int):
+    """The ranks of this process's LoRDO worker as a 1-D ``DeviceMesh``, to shard the model over them with FSDP2
+    before :func:`distributed` (with the same ``ranks_per_worker``)::
+
+        mesh = lordo.worker_mesh(2)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, shard_placement_fn=lordo.optim.fsdp_placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=lordo.optim.fsdp_placement)
+        opt = lordo.distributed(model, "lordo", ranks_per_worker=2)
+
+    A collective: every process calls it, after ``torch.distributed.init_process_group`` (FSDP2 needs the process
+    group before ``lordo.distributed`` could start one). CUDA devices under nccl, the CPU otherwise."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("worker_mesh needs the process group: call torch.distributed.init_process_group() first "
+                          "(under torchrun)")
+    world = dist.get_world_size()
+    if not (isinstance(ranks_per_worker, int) and not isinstance(ranks_per_worker, bool) and ranks_per_worker >= 1
+            and world % ranks_per_worker == 0):
+        raise ConfigError(f"ranks_per_worker must be an integer >= 1 that divides the {world} processes, got {ranks_per_worker!r}")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, (world // ranks_per_worker, ranks_per_worker), mesh_dim_names=("worker", "rank"))
+    return mesh["rank"]
+
+
+__all__ = ["DistributedOptimizer", "distributed", "default_groups", "worker_mesh"]

@@ -8,12 +8,13 @@ from .simulated import SimCommunicator
 
 
 def make_communicator(backend: str, workers: int, timeout_s: float = 300.0, device: str = "cpu",
-                      ranks_per_worker: int = 1) -> Communicator:
+                      ranks_per_worker: int = 1, sharded: bool = False) -> Communicator:
     """``sim``: all ``workers`` in this process. ``gloo``/``nccl``: this process is one worker of a
     torch.distributed job (environment set by torchrun or by ``lordo train --workers``), or with
     ``ranks_per_worker`` > 1 one rank of a worker made of that many processes. ``auto``: torch.distributed
     when a process group is initialised or torchrun launched this process (gloo on CPU, nccl on CUDA), else
-    the simulator."""
+    the simulator. ``sharded``: the model is sharded over each worker's ranks (FSDP2; see
+    :class:`~.torch_dist.WorkerGroupCommunicator`)."""
     import torch.distributed as dist
 
     from ..errors import ConfigError
@@ -32,10 +33,10 @@ def make_communicator(backend: str, workers: int, timeout_s: float = 300.0, devi
                               "processes); the simulator runs one rank per worker")
         return SimCommunicator(workers)
     base = TorchDistCommunicator(backend, timeout_s)
-    if ranks_per_worker == 1:
+    if ranks_per_worker == 1 and not sharded:
         return base
     try:
-        return WorkerGroupCommunicator(base, ranks_per_worker)
+        return WorkerGroupCommunicator(base, ranks_per_worker, sharded=sharded)
     except BaseException:
         base.close(clean=False)
         raise

@@ -234,22 +234,31 @@ class WorkerGroupCommunicator(Communicator):
     others. Ranks ``w·R … w·R + R − 1`` form worker w. Collectives between workers run among the workers'
     first ranks (the leaders, the only traffic on the slow link) and their results are broadcast inside each
     worker, so every rank of a worker holds the same model and state. ``ledger`` counts the slow link (a
-    leader's bytes), ``intra_ledger`` the fast one."""
+    leader's bytes), ``intra_ledger`` the fast one.
 
-    def __init__(self, base: TorchDistCommunicator, ranks_per_worker: int) -> None:
+    ``sharded``: the worker's model is sharded over its ranks (FSDP2, ``lordo.worker_mesh``): each rank holds
+    a shard of every tensor the strategy exchanges, so collectives between workers run among the ranks at the
+    same position in each worker (rank m of every worker), each on its own shards, and nothing is broadcast
+    inside; gradients arrive averaged over the worker by FSDP2 itself. ``ledger`` counts this rank's share of
+    the slow link (a worker sends the sum over its ranks)."""
+
+    def __init__(self, base: TorchDistCommunicator, ranks_per_worker: int, sharded: bool = False) -> None:
         world, rank, r = base.world_size, base.rank, ranks_per_worker
         if r < 1 or world % r:
             raise CommError(f"dist.ranks_per_worker ({r}) must divide the number of processes ({world})")
         self.base, self.ranks_per_worker = base, r
         self.worker, self.member = rank // r, rank % r
         workers = world // r
-        intra_groups = [list(range(w * r, (w + 1) * r)) for w in range(workers)]
-        leaders = list(range(0, world, r))
+        self.intra_ranks = [list(range(w * r, (w + 1) * r)) for w in range(workers)]
+        # the ranks at each position of every worker (position 0: the leaders)
+        positions = [list(range(m, world, r)) for m in (range(r) if sharded else range(1))]
         # every process creates every group, in the same order (torch.distributed's rule)
-        handles = [dist.new_group(g, timeout=base.timeout) for g in intra_groups]
-        leader_group = dist.new_group(leaders, timeout=base.timeout)
-        self.intra = GroupOps(handles[self.worker], intra_groups[self.worker], base._run)
-        self.inter = GroupOps(leader_group, leaders, base._run) if self.member == 0 else None
+        handles = [dist.new_group(g, timeout=base.timeout) for g in self.intra_ranks]
+        across = [dist.new_group(g, timeout=base.timeout) for g in positions]
+        self.intra = GroupOps(handles[self.worker], self.intra_ranks[self.worker], base._run)
+        self.sharded = sharded
+        mine = self.member if sharded else 0
+        self.inter = GroupOps(across[mine], positions[mine], base._run) if sharded or self.member == 0 else None
         super().__init__(workers, [self.worker])
         self.ledger.rank = self.worker
         self.intra_ledger = Ledger(r, rank=self.member)
@@ -271,7 +280,10 @@ class WorkerGroupCommunicator(Communicator):
         return [(self.rank, self.base.world_size)]
 
     def _share(self, tensors, tag: str) -> None:
-        """The leader's tensors to every rank of its worker (fast link)."""
+        """The leader's tensors to every rank of its worker (fast link); nothing when sharded (each rank
+        exchanged its own shards)."""
+        if self.sharded:
+            return
         t0 = time.perf_counter()
         self.intra.broadcast(tensors, 0)
         size = payload_bytes(tensors)
@@ -279,7 +291,8 @@ class WorkerGroupCommunicator(Communicator):
                                  wire=broadcast_children(self.member, self.ranks_per_worker) * size)
 
     def average_within_worker(self, grads: TensorLists) -> None:
-        (tensors,) = grads
+        # sharded gradients (FSDP2) arrive averaged over the worker's ranks already
+        tensors = [g for g in grads[0] if type(g).__name__ != "DTensor"]
         if self.ranks_per_worker == 1 or not tensors:
             return
         t0 = time.perf_counter()
@@ -289,7 +302,7 @@ class WorkerGroupCommunicator(Communicator):
 
     def all_reduce_mean(self, per_worker: TensorLists, tag: str, accounted: bool = True) -> None:
         if not accounted:  # outside the algorithm (evaluation, logging): the mean over every process
-            self.base.ops.all_reduce_mean(per_worker[0])
+            (self.inter if self.sharded else self.base.ops).all_reduce_mean(per_worker[0])  # type: ignore[union-attr]
             return
         super().all_reduce_mean(per_worker, tag, accounted)
 

@@ -1,8 +1,10 @@
-"""LoRDO's optimizer math: pure functions and a torch.optim.Optimizer. Never imports torch.distributed."""
+"""LoRDO's optimizer math: pure functions and a torch.optim.Optimizer. Imports torch.distributed only to step
+parameters sharded by FSDP2 (``sharded.py``, when it meets one)."""
 
 from .functional import lowrank_qh_adam_update, qh_adam_update
 from .lowrank import back_project, project, project_with_feedback, rotate_moments
 from .optimizer import LowRankQHAdam
+from .sharded import fsdp_placement
 from .subspace import captured_energy, check_rank, grad_of, overlap, side_of, subspace_iteration_basis, svd_basis
 
 __all__ = [
@@ -10,6 +12,7 @@ __all__ = [
     "back_project",
     "captured_energy",
     "check_rank",
+    "fsdp_placement",
     "grad_of",
     "lowrank_qh_adam_update",
     "overlap",

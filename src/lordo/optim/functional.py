@@ -5,6 +5,8 @@ Shapes: W, G, E are p×q; u, v are the low-rank moments (p×r on the right side,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
@@ -67,10 +69,16 @@ def lowrank_qh_adam_update_many(
     omega: float,
     qh_lowranks: list[torch.Tensor | None] | None = None,
     lowrank_scale: float = 1.0,
+    moment_numels: list[int] | None = None,
+    sum_totals: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> None:
     """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_scale``: GaLore's ``scale``, a factor on
     the low-rank update ω·back(û/D) only): the moment math on the small low-rank tensors runs
-    as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass."""
+    as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass.
+
+    For shards of matrices (optim/sharded.py) mean(D) is over the whole matrix: ``moment_numels`` gives each
+    matrix's number of moment entries and ``sum_totals`` turns the shards' sums of D into the matrices' sums
+    in place."""
     if not params:
         return
     torch._foreach_add_(state_steps, 1)
@@ -89,15 +97,18 @@ def lowrank_qh_adam_update_many(
     # sum(D') of every matrix in one call (D' > 0, so its L1 norm), kept as 0-d tensors: no host
     # synchronisation on GPUs
     totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(params)
+    if qh and sum_totals is not None:
+        sum_totals(totals)  # type: ignore[arg-type]
+    numels = moment_numels if moment_numels is not None else [d.numel() for d in denoms]
     decay = 1 - lr * weight_decay
     lows = qh_lowranks if qh_lowranks is not None else [None] * len(params)
-    for weight, qh_grad, low, basis, side, step, root, ratio, denom, total in zip(
-            params, qh_grads, lows, bases, sides, steps, roots, ratios, denoms, totals, strict=True):
+    for weight, qh_grad, low, basis, side, step, root, ratio, numel, total in zip(
+            params, qh_grads, lows, bases, sides, steps, roots, ratios, numels, totals, strict=True):
         # a bf16/fp16 matrix is updated in float32 (the moments' precision) and rounded once
         param = weight if weight.dtype == ratio.dtype else weight.to(ratio.dtype)
         with_qh = qh and qh_grad is not None
         # the QH term's scale: − η(1−ω)·A/mean(D) = − η(1−ω)·numel·sqrt(bc2)·A/sum(D')
-        kappa = lr * (1 - omega) * denom.numel() * root
+        kappa = lr * (1 - omega) * numel * root
         alpha = -lr * (omega if with_qh else 1.0) * lowrank_scale * root / (1 - beta1**step)
         if with_qh and low is not None:
             assert total is not None

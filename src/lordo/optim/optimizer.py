@@ -9,12 +9,14 @@ through ``torch.load(..., weights_only=True)``; LR schedulers work through ``par
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 
 from .functional import lowrank_qh_adam_update_many, qh_adam_update_many
 from .lowrank import project, project_with_feedback, remove_projection, rotate_moments
+from .sharded import check_sharding, gather, is_sharded, local, sum_over_shards
 from .stacked import DEFERRED, INSIDE, MatrixStack
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
@@ -24,6 +26,11 @@ BASIS_METHODS = ("svd", "subspace")
 
 
 GALORE_PROJ_TYPES = ("std",)
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The gradient this rank updates ``p`` with: its shard of it for a sharded (FSDP2) parameter."""
+    return local(grad_of(p))
 
 
 def _check_dense(p: torch.Tensor) -> None:
@@ -93,6 +100,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
     ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
     shape as one batch (optim/stacked.py; same formulas, fewer kernel launches). None (default): on
     accelerators, not on the CPU; True / False: always / never.
+
+    Parameters sharded by FSDP2 (``fully_shard``; DTensor) are stepped shard by shard, to the same result
+    (optim/sharded.py): each low-rank matrix must be split along its long side, which
+    ``fully_shard(..., shard_placement_fn=lordo.optim.fsdp_placement)`` does; bases are computed from the
+    gathered matrix and are whole on every rank; state is each rank's shards (save it per rank). Sharded
+    matrices take the per-matrix path, not the batched one.
     """
 
     def __init__(
@@ -164,6 +177,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
         if group["batched"] not in (None, True, False):
             raise ValueError(f"batched must be None (batch the low-rank step on accelerators, not on the CPU), True or "
                              f"False, got {group['batched']!r}")
+        for p in group["params"]:
+            check_sharding(p, lowrank=group["rank"] is not None)
         if group["rank"] is not None:
             for p in group["params"]:
                 if p.ndim != 2:
@@ -200,7 +215,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def _init_lowrank_state(self, p: torch.Tensor, group: dict, basis: torch.Tensor) -> dict:
         state = self.state[p]
         r = group["rank"]
-        shape = (p.shape[0], r) if side_of(p.shape) == "right" else (r, p.shape[1])
+        side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
+        shape = (p.shape[0], r) if side == "right" else (r, p.shape[1])
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["basis"] = basis.to(device=p.device, dtype=torch.float32).clone()  # never alias the caller's tensor
         # low-rank moments are small (r per row): float32 even for a bf16/fp16 matrix, where Adam's g² and ε
@@ -213,12 +229,23 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return state
 
     def compute_basis(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor | None:
-        """The new basis of ``p`` from ``matrix`` (same shape) by the group's method; None if it failed."""
+        """The new basis of ``p`` from ``matrix`` (same shape; for a sharded parameter, this rank's shard of it:
+        the shards are gathered) by the group's method; None if it failed."""
         group = self._group_of(p)
+        matrix = self.whole(p, matrix)
         previous = self.state[p].get("basis")
         if group["basis_method"] == "subspace":
             return subspace_iteration_basis(matrix, group["rank"], previous, iters=group["basis_iterations"])
         return svd_basis(matrix, group["rank"])
+
+    def whole(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """``matrix`` shaped like ``p``: as given, or gathered from every rank's shard when ``p`` is sharded and
+        ``matrix`` is this rank's shard (a collective over ``p``'s mesh: call it on every rank)."""
+        if is_sharded(matrix):
+            return matrix.full_tensor()  # type: ignore[attr-defined]
+        if is_sharded(p) and tuple(matrix.shape) != tuple(p.shape):
+            return gather(p, matrix)
+        return matrix
 
     @torch.no_grad()
     def set_basis(self, p: torch.Tensor, basis: torch.Tensor) -> None:
@@ -259,7 +286,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
         each: list[int] = []
         for i, p in enumerate(params):
             choice = self._group_of(p).get("batched")  # absent in state dicts saved before it existed
-            (batched if (p.device.type != "cpu" if choice is None else choice) else each).append(i)
+            stack = (p.device.type != "cpu" if choice is None else choice) and not is_sharded(p)
+            (batched if stack else each).append(i)
         return batched, each
 
     def _stacks(self, params: list[torch.Tensor]) -> list[tuple[MatrixStack, dict, list[slice]]]:
@@ -271,7 +299,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         for group, _ in self._by_group(params):
             by_key: dict[tuple, list[torch.Tensor]] = {}
             for p in group["params"]:
-                if "basis" in self.state[p]:
+                if "basis" in self.state[p] and not is_sharded(p):
                     by_key.setdefault((id(group), tuple(p.shape), p.dtype, p.device), []).append(p)
             for key in {k for k, members in by_key.items() if any(id(p) in wanted for p in members)}:
                 members = by_key[key]
@@ -307,7 +335,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             _check_dense(p)
             group, state = self._group_of(p), self.state[p]
             if "basis" not in state:
-                basis = svd_basis(grad_of(p), group["rank"])
+                basis = svd_basis(self.whole(p, grad_of(p)), group["rank"])
                 if basis is None:
                     raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
                 self._init_lowrank_state(p, group, basis)
@@ -325,10 +353,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
         deferred = [p for p in params if self.state[p].get(DEFERRED)]
         if deferred:
             # E has no component in the basis's subspace: proj(G + E) = proj(G); E accumulates G (see below)
-            torch._foreach_add_([self.state[p]["error_feedback"] for p in deferred], [grad_of(p) for p in deferred])
+            torch._foreach_add_([self.state[p]["error_feedback"] for p in deferred], [_grad(p) for p in deferred])
         out = []
         for p in params:
-            state, grad, side = self.state[p], grad_of(p), side_of(p.shape)
+            state, grad, side = self.state[p], _grad(p), side_of(p.shape)
             basis = state["basis"] if state["basis"].dtype == grad.dtype else state["basis"].to(grad.dtype)
             if state.get(DEFERRED):
                 g = project(grad, basis, side)
@@ -400,11 +428,14 @@ class LowRankQHAdam(torch.optim.Optimizer):
             states = [self.state[p] for p in ps]
             qh, lows = self._qh_inputs(group, ps, states, gs_group)
             b1, b2 = group["betas"]
+            sharded = any(is_sharded(p) for p in ps)
+            numels = [p.shape[0 if side_of(p.shape) == "right" else 1] * group["rank"] for p in ps] if sharded else None
             lowrank_qh_adam_update_many(
-                ps, gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [local(p) for p in ps], gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
                 lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                omega=group["omega"], qh_lowranks=lows, lowrank_scale=group["scale"],
+                omega=group["omega"], qh_lowranks=lows, lowrank_scale=group["scale"], moment_numels=numels,
+                sum_totals=functools.partial(sum_over_shards, ps) if sharded else None,
             )
             if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
                 # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
@@ -418,13 +449,13 @@ class LowRankQHAdam(torch.optim.Optimizer):
         if group["omega"] == 1:
             return [None] * len(ps), None
         if group["qh_source"] == "grad":
-            return [p.grad for p in ps], None
+            return [_grad(p) for p in ps], None
         full: list[torch.Tensor | None] = []
         lows: list[torch.Tensor | None] = []
         for p, state, g in zip(ps, states, gs):
             error = state.get("error_feedback")
             if error is None:  # error feedback off: A = G
-                full.append(p.grad)
+                full.append(_grad(p))
                 lows.append(None)
             elif INSIDE in state:  # deferred: A = S − back(c − g), S the running sum after this step
                 full.append(error)
@@ -446,11 +477,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     # float32 moments for a bf16/fp16 parameter: Adam's g² and ε underflow in half precision
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+                    state["exp_avg"] = torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32))
                     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
             b1, b2 = group["betas"]
             qh_adam_update_many(
-                ps, [grad_of(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [local(p) for p in ps], [_grad(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], omega=group["omega"],
             )
@@ -488,15 +519,16 @@ class LowRankQHAdam(torch.optim.Optimizer):
         """Bytes of state by category: low-rank moments, full-rank moments, bases, error feedback."""
         out = {"lowrank_moments": 0, "full_rank_moments": 0, "bases": 0, "error_feedback": 0}
         for group in self.param_groups:
-            for p in group["params"]:
+            for param in group["params"]:
+                p = local(param)  # this rank's shard of a sharded parameter: what this device holds
                 itemsize = p.element_size()
                 if group["rank"] is None:
                     out["full_rank_moments"] += 2 * p.numel() * max(itemsize, 4)
                     continue
                 r = group["rank"]
-                big = p.shape[0] if side_of(p.shape) == "right" else p.shape[1]
+                big = p.shape[0] if side_of(param.shape) == "right" else p.shape[1]
                 out["lowrank_moments"] += 2 * big * r * max(itemsize, 4)
-                out["bases"] += min(p.shape) * r * 4
+                out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
                 if group["error_feedback"]:
                     ef_dtype = group.get("error_feedback_dtype") or p.dtype
                     out["error_feedback"] += p.numel() * torch.empty((), dtype=ef_dtype).element_size()

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..errors import ConfigError
+from ..optim.sharded import is_sharded, local, sum_over_shards
 
 
 def tensor_bytes(tensors) -> int:
@@ -48,19 +49,40 @@ class Worker:
     model: nn.Module
     optimizer: torch.optim.Optimizer  # the inner (local) optimizer
     params: list[torch.Tensor]  # the trained parameters, in the optimizer's order
+    # what this rank holds of them, for the strategy's arithmetic and collectives: the parameters themselves,
+    # or their shards (views of the same storage) when FSDP2 shards the model over the worker's ranks
+    tensors: list[torch.Tensor] = field(default_factory=list)
     residuals: list[torch.Tensor] = field(default_factory=list)  # what compressing its pseudo-gradients lost
     shard_residual: torch.Tensor | None = None  # what re-encoding the mean of its shard lost (block codecs)
 
 
-def refuse_sharded(models: Sequence[nn.Module]) -> None:
-    """A clear error for parameters sharded across ranks (FSDP2's DTensor): not supported yet."""
-    sharded = [n for m in models for n, p in m.named_parameters() if type(p).__name__ == "DTensor"]
-    if sharded:
-        raise ConfigError(
-            f"parameters sharded across ranks (DTensor, e.g. from FSDP2's fully_shard) are not supported yet: "
-            f"{', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}. Give every rank the whole model and make "
-            "several ranks one LoRDO worker with ranks_per_worker (docs/multi-node.md)"
-        )
+def sharded_names(models: Sequence[nn.Module]) -> list[str]:
+    """Names of the parameters sharded across ranks (DTensor, from FSDP2's ``fully_shard``)."""
+    return [n for m in models for n, p in m.named_parameters() if is_sharded(p)]
+
+
+def check_sharding(models: Sequence[nn.Module], comm: Communicator) -> None:
+    """Sharded parameters need a communicator of sharded worker groups, whose ranks are the DTensors' mesh;
+    a model sharded in part (some parameters whole on every rank) is refused too."""
+    names = sharded_names(models)
+    if not names:
+        return
+    listed = f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+    if not getattr(comm, "sharded", False):
+        raise ConfigError(f"parameters sharded across ranks (DTensor, from FSDP2's fully_shard): {listed}. Shard the "
+                          "model over the ranks of one worker (mesh=lordo.worker_mesh(ranks_per_worker)) and pass "
+                          "ranks_per_worker to lordo.distributed under torch.distributed (docs/multi-node.md)")
+    whole = [n for m in models for n, p in m.named_parameters() if p.requires_grad and not is_sharded(p)]
+    if whole:
+        raise ConfigError(f"the model is sharded in part: {', '.join(whole[:3])}{', ...' if len(whole) > 3 else ''} "
+                          "are not; apply fully_shard to the root module too, so that every parameter is sharded")
+    ranks = comm.intra_ranks[comm.worker]  # type: ignore[attr-defined]
+    for m in models:
+        for n, p in m.named_parameters():
+            mesh = p.device_mesh  # type: ignore[attr-defined]
+            if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != ranks:
+                raise ConfigError(f"parameter {n} is sharded over ranks {mesh.mesh.tolist()}, but this process's worker "
+                                  f"is ranks {ranks}: shard with fully_shard(..., mesh=lordo.worker_mesh(ranks_per_worker))")
 
 
 def check_workers(models: Sequence[nn.Module], comm: Communicator,
@@ -71,7 +93,7 @@ def check_workers(models: Sequence[nn.Module], comm: Communicator,
         raise ConfigError(f"{len(models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)")
     if len(optimizers) != len(models):
         raise ConfigError(f"optimizers: one per model replica, got {len(optimizers)} for {len(models)}")
-    refuse_sharded(models)
+    check_sharding(models, comm)
     workers = []
     for rank, model, opt in zip(comm.local_ranks, models, optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
@@ -84,7 +106,7 @@ def check_workers(models: Sequence[nn.Module], comm: Communicator,
         mine = {id(p) for p in model.parameters()}
         if not held <= mine:
             raise ConfigError(f"the optimizer of worker {rank} holds parameters of another model")
-        workers.append(Worker(rank, model, opt, params))
+        workers.append(Worker(rank, model, opt, params, [local(p) for p in params]))
     return workers
 
 
@@ -112,6 +134,7 @@ class Strategy(ABC):
 
     name: str = ""
     recoverable = False  # whether it runs on a fault-tolerant communicator (collectives only in rounds)
+    shardable = False  # whether it runs on a model sharded over each worker's ranks (FSDP2)
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *,
                  optimizers: Sequence[torch.optim.Optimizer], grad_clip: float = 0.5, sync_buffers: bool = True) -> None:
@@ -119,10 +142,23 @@ class Strategy(ABC):
         if comm.fault_tolerant and not self.recoverable:
             raise ConfigError(f"strategy {self.name!r} communicates at every step; a fault-tolerant backend (torchft) "
                               "runs the local-update strategies: local-adam, lordo, lordo-local, lordo-global-noqh")
+        if sharded_names(models) and not self.shardable:
+            raise ConfigError(f"strategy {self.name!r} averages gradients between workers every step; a model sharded "
+                              "over each worker's ranks (FSDP2) runs the local-update strategies: local-adam, lordo, "
+                              "lordo-local, lordo-global-noqh")
         self.comm, self.grad_clip = comm, float(grad_clip)
         self.workers = check_workers(models, comm, optimizers)
         self.steps_done = 0
         self.buffers = [model_buffers(w.model) for w in self.workers] if sync_buffers else [[] for _ in self.workers]
+
+    def total_norm(self, tensors: Sequence[torch.Tensor]) -> float:
+        """The 2-norm of ``tensors`` (worker 0's, ordered like its parameters) over the whole model: for a
+        sharded model, the sum of the squares over the worker's ranks (a collective inside the worker)."""
+        if not any(is_sharded(p) for p in self.workers[0].params):
+            return float(torch.nn.utils.get_total_norm(list(tensors)))
+        squares = [t.float().pow(2).sum() for t in tensors]
+        sum_over_shards(self.workers[0].params, squares)
+        return float(sum(float(s) for s in squares)) ** 0.5
 
     def average_buffers(self) -> None:
         """Average the models' persistent buffers over the workers (at each synchronisation; ``sync_buffers``)."""
@@ -234,5 +270,6 @@ class Strategy(ABC):
         """Bytes of optimizer state one worker holds, by category."""
 
     def step_payload_bytes(self) -> int:
-        """Bytes one worker would all-reduce per step under ``ddp`` (the full gradient): the reference."""
-        return tensor_bytes(self.workers[0].params)
+        """Bytes one worker would all-reduce per step under ``ddp`` (the full gradient): the reference (a rank's
+        shard of it for a sharded model, as the ledger counts a rank's share)."""
+        return tensor_bytes(self.workers[0].tensors)

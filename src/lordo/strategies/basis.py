@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from ..comm import Communicator
-from ..optim import LowRankQHAdam, captured_energy, grad_of, overlap
+from ..optim import LowRankQHAdam, grad_of, overlap, project, side_of
+from ..optim.sharded import local, sum_over_shards
 
 
 @torch.no_grad()
@@ -51,20 +52,23 @@ def change_bases(optimizers: Sequence[LowRankQHAdam], lowrank: Sequence[Sequence
 
 @torch.no_grad()
 def residual_energy(matrices: Sequence[torch.Tensor], optimizer: LowRankQHAdam, params: Sequence[torch.Tensor]) -> float | None:
-    """Share of the matrices' energy outside the current bases of ``params`` (None before any basis)."""
-    outside = energy = 0.0
+    """Share of the matrices' energy outside the current bases of ``params`` (None before any basis). For
+    sharded matrices, ``matrices`` are this rank's shards and the energies are summed over the worker's ranks."""
+    totals, inside = [], []
     for m, p in zip(matrices, params, strict=True):
         basis = optimizer.state[p].get("basis")
         if basis is None:
             return None
-        total = float(m.float().pow(2).sum())
-        energy += total
-        outside += total * (1 - captured_energy(m, basis))
-    return outside / energy if energy > 0 else 0.0
+        totals.append(m.float().pow(2).sum())
+        inside.append(project(m.float(), basis, side_of(p.shape)).pow(2).sum())
+    sum_over_shards(params, totals)
+    sum_over_shards(params, inside)
+    energy = sum(float(t) for t in totals)
+    return sum(float(t) - float(i) for t, i in zip(totals, inside)) / energy if energy > 0 else 0.0
 
 
 def _own_gradients(lowrank: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    return [[grad_of(p).detach().clone() for p in low] for low in lowrank]
+    return [[local(grad_of(p)).detach().clone() for p in low] for low in lowrank]
 
 
 class BasisPolicy:

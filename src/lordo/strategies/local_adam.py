@@ -46,6 +46,7 @@ class LocalUpdateStrategy(Strategy):
 
     name = "local-adam"
     recoverable = True
+    shardable = True  # everything it exchanges is per-parameter: a rank exchanges its shards (Worker.tensors)
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[torch.optim.Optimizer],
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
@@ -74,7 +75,7 @@ class LocalUpdateStrategy(Strategy):
         self.codecs = sync_codecs(compress)
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
         # the outer optimizer with the averaged pseudo-gradient as its gradient
-        self.anchor = [p.detach().clone() for p in self.workers[0].params]
+        self.anchor = [t.detach().clone() for t in self.workers[0].tensors]
         self.offload_anchor = offload_anchor
         if offload_anchor:  # in host memory (pinned, for asynchronous copies, when a GPU is there), as torchft keeps it
             pin = torch.cuda.is_available()
@@ -87,10 +88,10 @@ class LocalUpdateStrategy(Strategy):
         if compress != "none" and compression_feedback:
             codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
-                w.residuals = [torch.zeros_like(p) for p in w.params]
+                w.residuals = [torch.zeros_like(t) for t in w.tensors]
                 if isinstance(codec, BlockCodec):
-                    padded = padded_numel([p.numel() for p in w.params], codec)
-                    w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.params[0].device)
+                    padded = padded_numel([t.numel() for t in w.tensors], codec)
+                    w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
 
     def averaged_params(self, worker: int) -> list[torch.Tensor]:
         """Parameters whose optimizer moments are averaged."""
@@ -159,23 +160,26 @@ class LocalUpdateStrategy(Strategy):
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         for w in self.workers:
             if self.offload_anchor:  # one tensor at a time on the device: the anchor is never there whole
-                for p, a in zip(w.params, self.anchor):
-                    p.sub_(a.to(p.device, non_blocking=True)).neg_()
+                for t, a in zip(w.tensors, self.anchor):
+                    t.sub_(a.to(t.device, non_blocking=True)).neg_()
             else:
-                torch._foreach_sub_(w.params, self.anchor)
-                torch._foreach_neg_(w.params)
-        pseudo = [[p.data for p in w.params] for w in self.workers]
+                torch._foreach_sub_(w.tensors, self.anchor)
+                torch._foreach_neg_(w.tensors)
+        pseudo = [[t.data for t in w.tensors] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
                 shard_residuals)
         delta = pseudo[0]
-        if not all(bool(torch.isfinite(d).all()) for d in delta):
+        finite = all(bool(torch.isfinite(d).all()) for d in delta)
+        if getattr(self.comm, "sharded", False):  # each rank checked its own shards: all must take one branch
+            finite = not self.comm.agree([not finite])[0]
+        if not finite:
             self._restore_from_anchor()  # roll back: every replica holds the last good model again
             raise NonFiniteError(
                 f"the averaged pseudo-gradient is not finite at synchronisation {self.syncs + 1} (after optimizer "
                 f"step {self.steps_done}); every worker was reset to the model of the previous synchronisation"
             )
-        stats = {"synced": 1.0, "pseudo_grad_norm": float(torch.nn.utils.get_total_norm(delta))}
+        stats = {"synced": 1.0, "pseudo_grad_norm": self.total_norm(delta)}
         stats.update(self.after_average(delta))
         for a, d in zip(self.anchor, delta, strict=True):
             a.grad = d if d.device == a.device else d.to(a.device)
@@ -192,10 +196,10 @@ class LocalUpdateStrategy(Strategy):
     def _restore_from_anchor(self) -> None:
         for w in self.workers:
             if self.offload_anchor:
-                for p, a in zip(w.params, self.anchor):
-                    p.copy_(a, non_blocking=True)
+                for t, a in zip(w.tensors, self.anchor):
+                    t.copy_(a, non_blocking=True)
             else:
-                torch._foreach_copy_(w.params, self.anchor)
+                torch._foreach_copy_(w.tensors, self.anchor)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -240,7 +244,7 @@ class LocalUpdateStrategy(Strategy):
             self.outer.load_state_dict(outer)
 
     def optimizer_bytes(self) -> dict[str, int]:
-        return {"full_rank_moments": 2 * tensor_bytes(self.workers[0].params)}
+        return {"full_rank_moments": 2 * tensor_bytes(self.workers[0].tensors)}
 
     def state_bytes(self) -> dict[str, int]:
         out = self.optimizer_bytes()
