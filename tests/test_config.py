@@ -82,7 +82,8 @@ def test_default_lr_is_the_strategys_tuned_one_and_an_explicit_lr_wins():
     from lordo.config import DEFAULT_LR
 
     assert build_config(overrides=['strategy.name="ddp"']).optim.lr == 3e-3
-    assert build_config(overrides=['strategy.name="lordo"']).optim.lr == 6e-3
+    assert build_config(overrides=['strategy.name="lordo"']).optim.lr == 3e-3
+    assert build_config(overrides=['strategy.name="lordo-global-noqh"']).optim.lr == 6e-3
     assert build_config(overrides=['strategy.name="lordo"', "optim.lr=1e-3"]).optim.lr == 1e-3
     assert set(DEFAULT_LR) == set(STRATEGY_NAMES)
     with pytest.raises(ConfigError, match="optim.lr must be >= 0"):

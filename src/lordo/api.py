@@ -296,8 +296,8 @@ def distributed(
 
     ``strategy``: one of ``ddp``, ``local-adam``, ``lordo``, ``lordo-global-noqh``, ``lordo-local``,
     ``lowrank-ddp``. ``lr``: every parameter group's initial learning rate (a torch LR scheduler or
-    ``step(lr=...)`` changes it); default: the strategy's (3e-3 for ddp and local-adam, 6e-3 for the low-rank strategies: tuned on
-    a 1.4M-parameter model; tune it for yours). ``options``: any ``strategy.*`` key (``rank``, ``sync_every``, ``omega``,
+    ``step(lr=...)`` changes it); default: the strategy's (3e-3; 6e-3 for lordo-global-noqh: tuned on a
+    1.4M-parameter model over 2,000 steps; tune it for yours). ``options``: any ``strategy.*`` key (``rank``, ``sync_every``, ``omega``,
     ``error_feedback``, ``basis_method``, ``average_moments``, ``outer_lr``, ``lowrank_pattern``, ...) or
     ``optim.*`` key (``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``grad_clip``), with the defaults and
     allowed values that ``lordo train --help`` lists (docs/cli.md). Values are validated like the config

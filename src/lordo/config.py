@@ -132,9 +132,9 @@ class DataConfig(_Section):
 @dataclass(kw_only=True)
 class OptimConfig(_Section):
     _name = "optim"
-    lr: float = _f(0.0, "peak learning rate; 0 = the strategy's default: 3e-3 for ddp and local-adam (AdamW), 6e-3 for "
-                   "lordo, lordo-local, lordo-global-noqh and lowrank-ddp (the better of 3e-3 and 6e-3 for each on "
-                   "micro, sweeps/lr.toml)", _non_negative)
+    lr: float = _f(0.0, "peak learning rate; 0 = the strategy's default: 6e-3 for lordo-global-noqh, 3e-3 for the "
+                   "others (the better of 3e-3 and 6e-3 for each on micro at 2,000 steps, "
+                   "sweeps/long-stagnation.toml)", _non_negative)
     beta1: float = _f(0.9, "Adam beta1", _unit_open)
     beta2: float = _f(0.999, "Adam beta2", _unit_open)
     eps: float = _f(1e-8, "Adam epsilon", _positive)
@@ -186,9 +186,10 @@ class TrainConfig(_Section):
 
 
 # The strategies by name, with the learning rate optim.lr = 0 resolves to: the better of {3e-3, 6e-3} for each
-# on micro (docs/results.md). strategies.build has a builder for each name.
-DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 6e-3, "lordo-global-noqh": 6e-3, "lordo-local": 6e-3,
-              "lowrank-ddp": 6e-3}
+# on micro at 2,000 steps (docs/results.md; at 200 steps the low-rank strategies preferred 6e-3).
+# strategies.build has a builder for each name.
+DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 3e-3, "lordo-global-noqh": 6e-3, "lordo-local": 3e-3,
+              "lowrank-ddp": 3e-3}
 STRATEGY_NAMES = tuple(DEFAULT_LR)
 
 
