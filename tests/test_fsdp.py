@@ -138,7 +138,7 @@ def test_without_torch_distributed_imported_nothing_is_sharded():
     assert not is_sharded(t) and local(t) is t
 
 
-def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int):
+def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int, options: dict):
     """Worker w (ranks w·R … w·R + R − 1) trains on its 4 sequences of each step, split between its ranks;
     ``shard``: the model sharded over them with FSDP2, else whole on each."""
     import torch.distributed as dist
@@ -153,8 +153,8 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int):
     model = tiny_model()
     if shard:
         fully_shard(model, mesh=lordo.worker_mesh(r), shard_placement_fn=fsdp_placement)
-    opt = lordo.distributed(model, name, lr=1e-2, rank=2, sync_every=3, backend="gloo", timeout_s=60,
-                            ranks_per_worker=r)
+    opt = lordo.distributed(model, name, lr=1e-2, sync_every=3, backend="gloo", timeout_s=60, ranks_per_worker=r,
+                            **options)
     worker, member, part = rank // r, rank % r, 4 // r
     try:
         for step in range(steps):
@@ -169,11 +169,16 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["lordo", "lordo-local"])
+STRATEGIES = {"lordo": {"rank": 2}, "lordo-local": {"rank": 2},
+              "local-adam": {"average_moments": "all"}}  # torch's AdamW on DTensors, its moments averaged
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_whole_model(name):
     steps = 7  # synchronisations after steps 3 and 6 and a final one after 7
-    whole = run_gloo(lordo_worker, 4, name, 2, False, steps)  # the same split of each batch, whole models
-    sharded = run_gloo(lordo_worker, 4, name, 2, True, steps)
+    options = STRATEGIES[name]
+    whole = run_gloo(lordo_worker, 4, name, 2, False, steps, options)  # the same split of each batch, whole models
+    sharded = run_gloo(lordo_worker, 4, name, 2, True, steps, options)
     assert all(status == "ok" for status, _ in [*whole.values(), *sharded.values()]), (whole, sharded)
     reference = whole[0][1][0]
     for rank in range(4):
@@ -182,7 +187,8 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         stats = whole[rank][1][2]  # its worker's (error feedback is each worker's own)
         for key in ("pseudo_grad_norm", "basis_overlap", "residual_energy", "error_feedback_norm"):
-            assert final[key] == pytest.approx(stats[key], rel=1e-4), key  # over the whole matrices, not a shard
+            if key in stats:  # over the whole matrices, not a shard
+                assert final[key] == pytest.approx(stats[key], rel=1e-4), key
     for w in (0, 1):  # a worker's ranks each send their shards: together what one whole worker sends
         mine, other = sharded[2 * w][1][1], sharded[2 * w + 1][1][1]
         for tag, entry in whole[2 * w][1][1].items():  # its leader's ledger
@@ -190,9 +196,9 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
             assert mine[tag]["bytes"] + other[tag]["bytes"] == entry["bytes"], tag
     # and hold between them one whole worker's state, but for the bases, which each rank holds whole
     memory, halves = whole[0][1][3], [sharded[rank][1][3] for rank in (0, 1)]
-    for key in ("anchor", "lowrank_moments", "full_rank_moments", "error_feedback", "adamw"):
+    for key in memory.keys() - {"bases", "total", "device_total"}:
         assert halves[0][key] + halves[1][key] == memory[key], key
-    assert halves[0]["bases"] == halves[1]["bases"] == memory["bases"]
+    assert halves[0].get("bases") == halves[1].get("bases") == memory.get("bases")
 
 
 def refusals_worker():

@@ -21,6 +21,7 @@ from torch import nn
 from ..comm import Communicator
 from ..comm.codec import COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
+from ..optim.sharded import local
 from .base import Strategy, check_number, tensor_bytes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -127,7 +128,8 @@ class LocalUpdateStrategy(Strategy):
             return
         for key, period in self.moment_periods.items():
             if (self.steps_done % period == 0) if period else sync_due:
-                moments = [[w.optimizer.state[p][key] for p in self.averaged_params(i)] for i, w in enumerate(self.workers)]
+                moments = [[local(w.optimizer.state[p][key]) for p in self.averaged_params(i)]  # shards, if sharded
+                           for i, w in enumerate(self.workers)]
                 if moments[0]:
                     # compressed moments need no error feedback: they are running averages, not sums to deliver
                     average(self.comm, moments, key, self.codecs[key])
