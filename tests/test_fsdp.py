@@ -213,10 +213,12 @@ def refusals_worker():
     try:
         model = tiny_model()
         fully_shard(model, mesh=lordo.worker_mesh(2), shard_placement_fn=fsdp_placement)
+        partly = tiny_model()
+        fully_shard(partly.blocks[0], mesh=lordo.worker_mesh(2), shard_placement_fn=fsdp_placement)  # not the root
         messages = []
-        for strategy, ranks_per_worker in (("ddp", 2), ("lordo", 1)):
+        for m, strategy, ranks_per_worker in ((model, "ddp", 2), (model, "lordo", 1), (partly, "lordo", 2)):
             try:
-                lordo.distributed(model, strategy, backend="gloo", ranks_per_worker=ranks_per_worker, timeout_s=60)
+                lordo.distributed(m, strategy, backend="gloo", ranks_per_worker=ranks_per_worker, timeout_s=60)
                 messages.append("no error")
             except lordo.ConfigError as exc:
                 messages.append(str(exc))
@@ -228,10 +230,11 @@ def refusals_worker():
 def test_what_a_sharded_model_cannot_do_is_refused_by_name():
     results = run_gloo(refusals_worker, 2)
     assert results[0][0] == "ok", results
-    ddp, one_rank = results[0][1]
+    ddp, one_rank, partly = results[0][1]
     assert "strategy 'ddp' averages gradients between workers every step" in ddp and "lordo-local" in ddp
     assert "sharded over ranks [0, 1], but this process's worker is ranks [0]" in one_rank
     assert "lordo.worker_mesh(ranks_per_worker)" in one_rank
+    assert "the model is sharded in part: tok_emb.weight" in partly and "apply fully_shard to the root module" in partly
 
 
 def resumed_worker(steps: int, stop_at: int | None):
