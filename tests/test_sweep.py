@@ -138,7 +138,7 @@ def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_di
     import statistics
 
     assert f"| name=lordo | 2 | {statistics.mean(ppl):.2f} ± {statistics.stdev(ppl):.2f} |" in report
-    for name in ("val_loss_vs_step", "val_loss_vs_bytes", "basis_overlap", "optimizer_memory"):
+    for name in ("val_loss_vs_step", "val_loss_vs_bytes", "basis_overlap", "error_feedback", "optimizer_memory"):
         png = tmp_path / "out" / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert f"plots/{name}.png" in report

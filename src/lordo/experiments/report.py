@@ -2,9 +2,10 @@
 
 ``lordo report DIR`` reads every ``DIR/<point>/summary.json`` and ``metrics.jsonl`` and writes
 ``DIR/report.md`` and ``DIR/plots/*.png``: validation loss against steps and against bytes sent per worker
-(wire bytes, log axis), basis overlap at each synchronisation, optimizer-state memory by category, and for
-each numeric key the sweep varies over three or more values (rank, omega, batch size, ...) the final
-validation perplexity against it, one line per setting of the other keys (``val_ppl_vs_<key>.png``).
+(wire bytes, log axis), basis overlap and the error feedback's size (‖E‖/‖W‖) at each synchronisation,
+optimizer-state memory by category, and for each numeric key the sweep varies over three or more values
+(rank, omega, batch size, ...) the final validation perplexity against it, one line per setting of the other
+keys (``val_ppl_vs_<key>.png``).
 """
 
 from __future__ import annotations
@@ -179,6 +180,17 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
         ax.set(xlabel="synchronisation round", ylabel="basis overlap (1 = unchanged)", title="basis overlap")
         ax.legend(fontsize=6)
         written.append(_save(fig, folder / "basis_overlap.png"))
+
+    with_feedback = [run for run in runs if any("error_feedback_norm" in r for r in run["metrics"])]
+    if with_feedback:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in with_feedback:
+            rows = [r for r in run["metrics"] if "error_feedback_norm" in r]
+            ax.plot([r["step"] for r in rows], [r["error_feedback_norm"] for r in rows], marker="o", ms=2, label=run["name"])
+        ax.set(xlabel="step", ylabel="mean ‖E‖ / ‖W‖ of the low-rank matrices (worker 0)", yscale="log",
+               title="error feedback at each synchronisation")
+        ax.legend(fontsize=6)
+        written.append(_save(fig, folder / "error_feedback.png"))
 
     for key, series in swept_numbers(runs).items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
