@@ -29,15 +29,16 @@ import torch
 
 from .subspace import LEFT, side_of
 
-
-def _dtensor_type():
-    module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
-    return getattr(module, "DTensor", None)
+_DTENSOR: list[type] = []  # DTensor's class, once its module is imported (called every step: kept cheap)
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    kind = _dtensor_type()
-    return kind is not None and isinstance(t, kind)
+    if not _DTENSOR:
+        module = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+        if module is None:
+            return False
+        _DTENSOR.append(module.DTensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
