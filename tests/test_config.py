@@ -107,3 +107,15 @@ def test_a_default_config_trains_at_its_strategys_learning_rate():
     assert Config().strategy.name == "lordo" and Config().optim.lr == DEFAULT_LR["lordo"]
     assert Config(strategy=StrategyConfig(name="ddp")).optim.lr == DEFAULT_LR["ddp"]
     assert OptimConfig(lr=3).lr == 3.0 and isinstance(OptimConfig(lr=3).lr, float)  # coerced like a config file's
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dist.shard=true"], r"dist.shard = true shards each worker's model over its ranks: set dist.ranks_per_worker >= 2"),
+    (["dist.shard=true", "dist.ranks_per_worker=2", 'dist.backend="sim"'], r"runs under torch.distributed .* not 'sim'"),
+    (["dist.shard=true", "dist.ranks_per_worker=2", 'strategy.name="ddp"'], r"local-update strategies .* not 'ddp'"),
+    (["dist.shard=true", "dist.ranks_per_worker=2", "train.compile=true"], r"does not take train.compile"),
+])
+def test_sharded_workers_refuse_what_they_cannot_run(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(overrides=overrides)
+    build_config(overrides=["dist.shard=true", "dist.ranks_per_worker=2"])  # what it runs with

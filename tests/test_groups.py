@@ -53,24 +53,42 @@ def test_two_workers_of_two_ranks_equal_two_workers_of_one_at_twice_the_batch():
     assert intra["broadcast:between_workers"]["calls"] > 0  # the leader shares each sync's result with its rank
 
 
-def test_lordo_train_with_worker_groups_runs_and_resumes(data_dir, tmp_path):
-    out = tmp_path / "run"
+def train_and_resume(data_dir, out, *settings):
+    """8 steps (checkpoints at 4 and 8), then the run resumed to 10; returns the summaries."""
     cmd = [sys.executable, "-m", "lordo.cli", "train", "--model", "nano", "--steps", "8", "--workers", "2", "--backend",
            "gloo", "--data-dir", str(data_dir), "--out", str(out), "--set", "dist.ranks_per_worker=2",
            "--set", "train.batch_size=2", "--set", "train.eval_batches=2", "--set", "strategy.sync_every=4",
-           "--set", "strategy.rank=4", "--set", "train.checkpoint_every=4"]
+           "--set", "strategy.rank=4", "--set", "train.checkpoint_every=4",
+           # an outer step with momentum: the resumed anchor and momentum matter (plain averaging cancels the anchor)
+           "--set", "strategy.outer_lr=0.7", "--set", "strategy.outer_momentum=0.9", *settings]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    first = json.loads((out / "summary.json").read_text())
+    done = subprocess.run([sys.executable, "-m", "lordo.cli", "train", "--resume", str(out), "--set", "train.steps=10"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return first, json.loads((out / "summary.json").read_text())
+
+
+def test_lordo_train_with_worker_groups_runs_and_resumes(data_dir, tmp_path):
+    out = tmp_path / "run"
+    summary, resumed = train_and_resume(data_dir, out)
     assert summary["workers"] == 2 and summary["ranks_per_worker"] == 2
     assert summary["tokens"] == 8 * 4 * 2 * 64  # steps x processes x batch x sequence length
     assert summary["intra_worker_wire_bytes_total"] > 0
     files = sorted(p.name for p in (out / "checkpoints" / "step-00000008").iterdir() if p.suffix == ".pt")
     assert files == ["shared.pt", "worker-00000.pt", "worker-00001.pt"]
-    done = subprocess.run([sys.executable, "-m", "lordo.cli", "train", "--resume", str(out), "--set", "train.steps=10"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((out / "summary.json").read_text())["resumed_from_step"] == 8
+    assert resumed["resumed_from_step"] == 8
+    # the same workers with their model sharded over their 2 ranks (FSDP2): the same model at step 8 and,
+    # resumed from each rank's own checkpoint file, at step 10
+    whole = torch.load(out / "model.pt")
+    sharded_out = tmp_path / "sharded"
+    at_8, _ = train_and_resume(data_dir, sharded_out, "--set", "dist.shard=true")
+    assert at_8["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    files = sorted(p.name for p in (sharded_out / "checkpoints" / "step-00000008").iterdir() if p.suffix == ".pt")
+    assert files == ["shared.pt"] + [f"worker-0000{w}-shard-00{s}.pt" for w in (0, 1) for s in (0, 1)]
+    for key, value in torch.load(sharded_out / "model.pt").items():  # the whole model, gathered
+        torch.testing.assert_close(value, whole[key], rtol=1e-5, atol=1e-6)
 
 
 def test_worker_groups_need_torch_distributed():

@@ -260,6 +260,8 @@ class DistConfig(_Section):
                       "on its own, that may fail without stopping the others (docs/multi-node.md)",
                       _choice("auto", "sim", "gloo", "nccl", "torchft"))
     timeout_s: float = _f(300.0, "seconds a collective may wait for a peer before the run fails", _positive)
+    shard: bool = _f(False, "shard each worker's model over its ranks with FSDP2 (dist.ranks_per_worker > 1, gloo or "
+                     "nccl, a local-update strategy): each rank holds and exchanges its shards; checkpoints per rank")
 
 
 @dataclass(kw_only=True)
@@ -296,6 +298,8 @@ class Config:
             )
         if self.dist.backend == "torchft":
             self._check_torchft()
+        if self.dist.shard:
+            self._check_shard()
         if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
             raise ConfigError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
@@ -315,6 +319,19 @@ class Config:
                               "skip on one worker would desynchronise the rounds); use bf16-mixed")
         if self.dist.ranks_per_worker != 1:
             raise ConfigError("dist.backend = \"torchft\" runs one process per worker (dist.ranks_per_worker = 1)")
+
+    def _check_shard(self) -> None:
+        """FSDP2 inside a worker: the settings it runs with (docs/multi-node.md)."""
+        if self.dist.ranks_per_worker < 2:
+            raise ConfigError("dist.shard = true shards each worker's model over its ranks: set dist.ranks_per_worker >= 2")
+        if self.dist.backend in ("sim", "torchft"):
+            raise ConfigError(f"dist.shard = true runs under torch.distributed (dist.backend gloo, nccl or auto), not "
+                              f"{self.dist.backend!r}")
+        if self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(f"dist.shard = true runs the local-update strategies (local-adam, lordo, lordo-local, "
+                              f"lordo-global-noqh), not {self.strategy.name!r}")
+        if self.train.compile or self.train.precision == "fp16-mixed":
+            raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

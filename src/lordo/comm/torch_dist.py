@@ -274,7 +274,7 @@ class WorkerGroupCommunicator(Communicator):
 
     @property
     def writes_worker_files(self) -> bool:
-        return self.member == 0
+        return self.sharded or self.member == 0  # sharded: each rank holds (and saves) its own shards
 
     def data_shards(self) -> list[tuple[int, int]]:
         return [(self.rank, self.base.world_size)]

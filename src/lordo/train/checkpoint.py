@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import LordoError
+from ..optim.sharded import is_sharded, local
 
 FORMAT = 2  # 2: the outer optimizer's state_dict replaces the outer momentum list (1 still loads)
 READABLE_FORMATS = (1, 2)
@@ -96,12 +97,36 @@ def _load_tensor_file(path: Path) -> Any:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as this process holds it: of a parameter sharded by FSDP2, this rank's shard."""
+    return {k: local(v) for k, v in model.state_dict().items()}
+
+
+def load_local_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`local_state` saved (into the shards, for a sharded model)."""
+    own = model.state_dict()
+    if not any(is_sharded(v) for v in own.values()):
+        model.load_state_dict(state)
+        return
+    if set(own) != set(state):
+        raise CheckpointError(f"the checkpoint's model has other tensors: {sorted(set(own) ^ set(state))[:3]}")
+    with torch.no_grad():
+        for key, value in own.items():
+            local(value).copy_(state[key])
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (a sharded model's shards gathered: a collective of its worker's ranks)."""
+    return {k: v.full_tensor() if is_sharded(v) else v for k, v in model.state_dict().items()}
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def worker_file(rank: int) -> str:
-    return f"worker-{rank:05d}.pt"
+def worker_file(rank: int, shard: int | None = None) -> str:
+    """Worker ``rank``'s file; with its model sharded over its ranks, one per rank (``shard``: its position)."""
+    return f"worker-{rank:05d}.pt" if shard is None else f"worker-{rank:05d}-shard-{shard:03d}.pt"
 
 
 class Checkpointer:
@@ -111,6 +136,9 @@ class Checkpointer:
         self.root = Path(out) / "checkpoints"
         self.comm = comm
         self.keep = keep
+        # a worker sharded over its ranks: every rank writes its shards (position ``shard`` of ``shards``)
+        self.shards = comm.ranks_per_worker if getattr(comm, "sharded", False) else None
+        self.shard = comm.member if self.shards else None
 
     # ------------------------------------------------------------------------------------------------ write
 
@@ -127,8 +155,8 @@ class Checkpointer:
                 partial.mkdir(parents=True)
             self.comm.barrier()
             for rank, state in zip(self.comm.local_ranks, workers, strict=True):
-                if self.comm.writes_worker_files:  # one rank per worker: its ranks hold the same state
-                    _save_tensor_file(partial / worker_file(rank), state)
+                if self.comm.writes_worker_files:  # one rank per worker (unless sharded): its ranks hold the same
+                    _save_tensor_file(partial / worker_file(rank, self.shard), state)
             if self.comm.is_main:
                 _save_tensor_file(partial / "shared.pt", shared)
         except OSError as exc:
@@ -156,7 +184,8 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "world_size": self.comm.world_size,
-            "files": ["shared.pt"] + [worker_file(r) for r in range(self.comm.world_size)],
+            "files": ["shared.pt"] + [worker_file(r, s) for r in range(self.comm.world_size)
+                                      for s in (range(self.shards) if self.shards else [None])],
             "config": config,
         }
         if data is not None:
@@ -241,7 +270,7 @@ class Checkpointer:
         if check_meta is not None:
             check_meta(meta)
         shared = _load_tensor_file(folder / "shared.pt")
-        workers = [_load_tensor_file(folder / worker_file(r)) for r in self.comm.local_ranks]
+        workers = [_load_tensor_file(folder / worker_file(r, self.shard)) for r in self.comm.local_ranks]
         return meta, shared, workers
 
 

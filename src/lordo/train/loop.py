@@ -23,14 +23,15 @@ from typing import Any, TextIO
 
 import torch
 
-from ..api import DistributedOptimizer
+from ..api import DistributedOptimizer, worker_mesh
 from ..comm import make_communicator
 from ..config import Config
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
 from ..errors import ConfigError, NonFiniteError, Stopped
 from ..model import GPT, GPTConfig, format_groups
-from .checkpoint import Checkpointer, config_differences
+from ..optim import fsdp_placement
+from .checkpoint import Checkpointer, config_differences, load_local_state, local_state
 from .lock import OutputLock
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
@@ -83,7 +84,7 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
     if t.threads:
         torch.set_num_threads(t.threads)
     device = resolve_device(t.device)
-    comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker)
+    comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker, d.shard)
     clean = False
     try:
         out = _output_folder(cfg, out_dir, comm)
@@ -200,7 +201,9 @@ class Trainer:
         self.data = self._load_data()
         self.precision = resolve_precision(t.precision, device)
         weights = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        self.models = [build_model(cfg, self.data.vocab_size).to(device=device, dtype=weights) for _ in comm.local_ranks]
+        self.sharded = cfg.dist.shard  # each worker's model sharded over its ranks (FSDP2)
+        self.mesh = worker_mesh(cfg.dist.ranks_per_worker) if self.sharded else None
+        self.models = [self._new_model(weights) for _ in comm.local_ranks]
         # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
         self.optimizer = DistributedOptimizer(self.models, cfg, comm)
         self.forwards = [torch.compile(m) if t.compile else m for m in self.models]
@@ -211,7 +214,7 @@ class Trainer:
         # between synchronisations the workers' models differ: evaluations score their average, in a spare
         # (not under torchft: a collective outside the synchronisations' rounds; each worker scores its own)
         averaged = t.eval_model == "average" and comm.world_size > 1 and not comm.fault_tolerant
-        self.spare = copy.deepcopy(self.models[0]) if averaged else None
+        self.spare = (self._new_model(weights) if self.sharded else copy.deepcopy(self.models[0])) if averaged else None
         self.tokens_per_step = comm.data_shards()[0][1] * t.batch_size * cfg.model.seq_len  # over all ranks
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
@@ -219,6 +222,18 @@ class Trainer:
         # fp16 autocast needs loss scaling; the optimizer unscales and skips a step on every worker together
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16-mixed" else None
         self.window = torch.zeros((), device=device)  # this log window's summed loss, read at the log interval
+
+    def _new_model(self, weights: torch.dtype) -> GPT:
+        """A replica on the training device; with dist.shard, each block and the rest sharded over the worker's
+        ranks, every matrix along its long side (lordo.optim.fsdp_placement)."""
+        model = build_model(self.cfg, self.data.vocab_size).to(device=self.device, dtype=weights)
+        if self.mesh is not None:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block, mesh=self.mesh, shard_placement_fn=fsdp_placement)
+            fully_shard(model, mesh=self.mesh, shard_placement_fn=fsdp_placement)
+        return model
 
     def _load_data(self):
         # one process per machine prepares the corpus if needed; the others wait, then open the same files
@@ -270,7 +285,7 @@ class Trainer:
                     tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
                     progress.update(step, self._progress_text(row, lr, tps), force=evaluated)
                 self._checkpoint_if_due(step, stop_requested, stop.signum)
-        if start >= t.steps and self.main:  # resumed a finished run: evaluate the final model again
+        if start >= t.steps and (self.main or self.sharded):  # resumed a finished run: evaluate the final model again
             self.state.val_loss = evaluate(self.models[0], self.val, self.device)
 
     # ----------------------------------------------------------------------------------------------- a step
@@ -369,10 +384,12 @@ class Trainer:
         else:
             self.optimizer.average_into(self.spare)  # a collective: every process, every evaluation
             model, which = self.spare, "average"
-        if not self.main:
+        if not (self.main or self.sharded):  # a sharded model's forward is a collective of its worker's ranks
             return {}
         with self.autocast():
             self.state.val_loss = evaluate(model, self.val, self.device)
+        if not self.main:
+            return {}
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
 
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
@@ -422,8 +439,10 @@ class Trainer:
                   **self.state.to_checkpoint()}
         if self.scaler is not None:
             shared["grad_scaler"] = self.scaler.state_dict()
-        workers = [{"model": m.state_dict(), "sampler": smp.state_dict(), "strategy": ws}
+        workers = [{"model": local_state(m), "sampler": smp.state_dict(), "strategy": ws}
                    for m, smp, ws in zip(self.models, self.samplers, state["workers"])]
+        if self.sharded:  # a rank's anchor, outer momentum and ledger are its shards' own: in its own file
+            workers[0].update(strategy_shared=state["shared"], ledger=state["ledger"])
         return self.checkpoints.save(step, self.config_dict, shared, workers, data=self.data_fingerprint())
 
     def data_fingerprint(self) -> dict[str, str]:
@@ -434,10 +453,11 @@ class Trainer:
     def resume(self) -> None:
         meta, shared, workers, folder = self.checkpoints.load_latest(self._check_compatible)
         for model, sampler, w in zip(self.models, self.samplers, workers, strict=True):
-            model.load_state_dict(w["model"])
+            load_local_state(model, w["model"])
             sampler.load_state_dict(w["sampler"])
+        mine = workers[0] if "strategy_shared" in workers[0] else {"strategy_shared": shared["strategy"], "ledger": shared["ledger"]}
         self.optimizer.load_state_dict(
-            {"shared": shared["strategy"], "workers": [w["strategy"] for w in workers], "ledger": shared["ledger"]})
+            {"shared": mine["strategy_shared"], "workers": [w["strategy"] for w in workers], "ledger": mine["ledger"]})
         torch.set_rng_state(shared["rng"])
         if self.scaler is not None and "grad_scaler" in shared:
             self.scaler.load_state_dict(shared["grad_scaler"])

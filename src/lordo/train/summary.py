@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checkpoint import full_state
+
 if TYPE_CHECKING:
     from .loop import Trainer
 
@@ -67,7 +69,8 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
     for key, values in state.diagnostics.items():
         summary[f"{key}_mean"] = sum(values) / len(values)
         summary[f"{key}_last"] = values[-1]
+    weights = full_state(trainer.models[0])  # a sharded model's shards gathered on every rank of its worker
     if trainer.main:
-        torch.save(trainer.models[0].state_dict(), trainer.out / "model.pt")
+        torch.save(weights, trainer.out / "model.pt")
         (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
