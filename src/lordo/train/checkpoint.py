@@ -99,7 +99,8 @@ def _load_tensor_file(path: Path) -> Any:
 
 def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict as this process holds it: of a parameter sharded by FSDP2, this rank's shard."""
-    return {k: local(v) for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    return {k: local(v) for k, v in state.items()} if any(is_sharded(v) for v in state.values()) else state
 
 
 def load_local_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -117,7 +118,10 @@ def load_local_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict (a sharded model's shards gathered: a collective of its worker's ranks)."""
-    return {k: v.full_tensor() if is_sharded(v) else v for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    if not any(is_sharded(v) for v in state.values()):
+        return state
+    return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}
 
 
 def step_dir(root: Path, step: int) -> Path:
