@@ -58,7 +58,7 @@ def train_and_resume(data_dir, out, *settings):
     cmd = [sys.executable, "-m", "lordo.cli", "train", "--model", "nano", "--steps", "8", "--workers", "2", "--backend",
            "gloo", "--data-dir", str(data_dir), "--out", str(out), "--set", "dist.ranks_per_worker=2",
            "--set", "train.batch_size=2", "--set", "train.eval_batches=2", "--set", "strategy.sync_every=4",
-           "--set", "strategy.rank=4", "--set", "train.checkpoint_every=4",
+           "--set", "strategy.rank=4", "--set", "train.checkpoint_every=4", "--set", "train.eval_every=3",
            # an outer step with momentum: the resumed anchor and momentum matter (plain averaging cancels the anchor)
            "--set", "strategy.outer_lr=0.7", "--set", "strategy.outer_momentum=0.9", *settings]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
@@ -89,6 +89,14 @@ def test_lordo_train_with_worker_groups_runs_and_resumes(data_dir, tmp_path):
     assert files == ["shared.pt"] + [f"worker-0000{w}-shard-00{s}.pt" for w in (0, 1) for s in (0, 1)]
     for key, value in torch.load(sharded_out / "model.pt").items():  # the whole model, gathered
         torch.testing.assert_close(value, whole[key], rtol=1e-5, atol=1e-6)
+
+    def evaluations(folder):  # between synchronisations: the workers' average, in a spare model
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["eval_model"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+    assert [e[:2] for e in evaluations(sharded_out)] == [e[:2] for e in evaluations(out)]
+    assert "average" in {e[1] for e in evaluations(out)}
+    assert [e[2] for e in evaluations(sharded_out)] == pytest.approx([e[2] for e in evaluations(out)], rel=1e-5)
 
 
 def test_worker_groups_need_torch_distributed():

@@ -388,6 +388,8 @@ class Trainer:
             return {}
         with self.autocast():
             self.state.val_loss = evaluate(model, self.val, self.device)
+        if self.sharded:  # FSDP2 leaves the root's parameters gathered after a forward without backward
+            model.reshard()  # type: ignore[operator]
         if not self.main:
             return {}
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
