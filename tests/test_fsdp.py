@@ -150,9 +150,11 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int, opti
 
     dist.init_process_group("gloo")
     rank, r = dist.get_rank(), ranks_per_worker
-    model = tiny_model()
+    mesh = lordo.worker_mesh(r) if shard else None
+    model, spare = tiny_model(), tiny_model()
     if shard:
-        fully_shard(model, mesh=lordo.worker_mesh(r), shard_placement_fn=fsdp_placement)
+        fully_shard(model, mesh=mesh, shard_placement_fn=fsdp_placement)
+        fully_shard(spare, mesh=mesh, shard_placement_fn=fsdp_placement)
     opt = lordo.distributed(model, name, lr=1e-2, sync_every=3, backend="gloo", timeout_s=60, ranks_per_worker=r,
                             **options)
     worker, member, part = rank // r, rank % r, 4 // r
@@ -161,9 +163,13 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int, opti
             x, y = batch(worker, step, size=4)
             model(x[member * part:(member + 1) * part], y[member * part:(member + 1) * part])[1].backward()
             opt.step()
+        with torch.no_grad():  # evaluations (FSDP2 keeps the root's parameters gathered after them)
+            model(x, y), spare(x, y)
+        opt.average_into(spare)  # between synchronisations: the workers' mean
+        mean = [(p.full_tensor() if shard else p).detach().clone() for p in spare.parameters()]
         stats = opt.finish()
         whole = [(p.full_tensor() if shard else p).detach().clone() for p in model.parameters()]
-        return whole, opt.ledger.table(), stats, opt.memory_report()
+        return whole, opt.ledger.table(), stats, opt.memory_report(), mean
     finally:
         opt.close()
         dist.destroy_process_group()
@@ -182,8 +188,10 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
     assert all(status == "ok" for status, _ in [*whole.values(), *sharded.values()]), (whole, sharded)
     reference = whole[0][1][0]
     for rank in range(4):
-        params, _, final, _ = sharded[rank][1]
+        params, _, final, _, mean = sharded[rank][1]
         for got, want in zip(params, reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for got, want in zip(mean, whole[0][1][4], strict=True):  # average_into after an evaluation
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         stats = whole[rank][1][2]  # its worker's (error feedback is each worker's own)
         for key in ("pseudo_grad_norm", "basis_overlap", "residual_energy", "error_feedback_norm"):

@@ -19,6 +19,7 @@ replicas, simulates that many workers in-process. ``lordo train`` drives the sam
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -167,6 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         parameters: the model all workers would hold if they synchronised now, without changing the run.
         A collective (every process must call it) that is not counted in the ledger; between
         synchronisations it is the fair model to evaluate, where worker 0's own model has drifted."""
+        for m in (*self.models, model):
+            reshard(m)  # a sharded model evaluated since its last backward holds gathered parameters
         mine = [[local(p).detach().clone() for p in m.parameters()] for m in self.models]
         self.comm.all_reduce_mean(mine, tag="evaluation", accounted=False)
         for target, mean in zip(model.parameters(), mine[0], strict=True):
@@ -367,6 +370,14 @@ def distributed(
         if not given:
             comm.close(clean=False)
         raise
+
+
+def reshard(model: nn.Module) -> None:
+    """Put a model sharded by FSDP2 back into its shards: FSDP2 keeps the root module's parameters gathered
+    after a forward without backward (an evaluation). Nothing for other models."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # no module is FSDP2's before it is imported
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+        model.reshard()
 
 
 def worker_mesh(ranks_per_worker: int):

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import torch
 
-from ..api import DistributedOptimizer, worker_mesh
+from ..api import DistributedOptimizer, reshard, worker_mesh
 from ..comm import make_communicator
 from ..config import Config
 from ..data import prepare as data_prep
@@ -388,8 +388,7 @@ class Trainer:
             return {}
         with self.autocast():
             self.state.val_loss = evaluate(model, self.val, self.device)
-        if self.sharded:  # FSDP2 leaves the root's parameters gathered after a forward without backward
-            model.reshard()  # type: ignore[operator]
+        reshard(model)  # FSDP2 leaves the root's parameters gathered after a forward without backward
         if not self.main:
             return {}
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
