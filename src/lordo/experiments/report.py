@@ -204,6 +204,7 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
         if log_x:
             xs = sorted({x for pts in series.values() for x, _, _ in pts})
             ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()  # only the swept values are labelled
         ax.legend(fontsize=7)
         written.append(_save(fig, folder / f"val_ppl_vs_{short}.png"))
 
