@@ -33,7 +33,7 @@ from .errors import ConfigError
 from .model.params import ParamGroup, group_by_module, group_parameters
 from .optim.sharded import local
 from .strategies import STRATEGIES, Strategy, build_strategy
-from .strategies.base import check_sharding, sharded_names
+from .strategies.base import check_sharded_models, sharded_names
 
 BACKENDS = ("auto", "sim", "gloo", "nccl", "torchft")
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
@@ -83,7 +83,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
             )
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
-        check_sharding(self.models, comm)
+        check_sharded_models(self.models, comm)
         # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
         # a sharded model's ranks each send their shards)
         comm.broadcast([[local(p).data for p in m.parameters()] for m in self.models], tag="init")

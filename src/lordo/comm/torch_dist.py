@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LordoError
+from ..optim.sharded import is_sharded
 from .base import Communicator, TensorLists, payload_bytes
 from .ledger import Ledger, broadcast_children
 
@@ -292,7 +293,7 @@ class WorkerGroupCommunicator(Communicator):
 
     def average_within_worker(self, grads: TensorLists) -> None:
         # sharded gradients (FSDP2) arrive averaged over the worker's ranks already
-        tensors = [g for g in grads[0] if type(g).__name__ != "DTensor"]
+        tensors = [g for g in grads[0] if not is_sharded(g)]
         if self.ranks_per_worker == 1 or not tensors:
             return
         t0 = time.perf_counter()

@@ -61,7 +61,7 @@ def sharded_names(models: Sequence[nn.Module]) -> list[str]:
     return [n for m in models for n, p in m.named_parameters() if is_sharded(p)]
 
 
-def check_sharding(models: Sequence[nn.Module], comm: Communicator) -> None:
+def check_sharded_models(models: Sequence[nn.Module], comm: Communicator) -> None:
     """Sharded parameters need a communicator of sharded worker groups, whose ranks are the DTensors' mesh;
     a model sharded in part (some parameters whole on every rank) is refused too."""
     names = sharded_names(models)
@@ -93,7 +93,7 @@ def check_workers(models: Sequence[nn.Module], comm: Communicator,
         raise ConfigError(f"{len(models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)")
     if len(optimizers) != len(models):
         raise ConfigError(f"optimizers: one per model replica, got {len(optimizers)} for {len(models)}")
-    check_sharding(models, comm)
+    check_sharded_models(models, comm)
     workers = []
     for rank, model, opt in zip(comm.local_ranks, models, optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
