@@ -15,8 +15,8 @@ lordo() { python3 -m lordo "$@"; }
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 
 # the local optimizer step (CUDA events, medians): the paper's 16M shape and a 125M shape (d 768, 12 layers)
-lordo bench step --device cuda --preset paper-16m --rounds 50 --json "$out/step-paper-16m-cuda.json"
-lordo bench step --device cuda --d-model 768 --layers 12 --rank 96 --rounds 30 --json "$out/step-d768-cuda.json"
+lordo bench step --device cuda --preset paper-16m --rounds 50 --compiled --json "$out/step-paper-16m-cuda.json"
+lordo bench step --device cuda --d-model 768 --layers 12 --rank 96 --rounds 30 --compiled --json "$out/step-d768-cuda.json"
 # basis refresh on real pseudo-gradients (captured by a short CPU run), timed on the GPU
 lordo bench basis --device cuda --preset paper-16m --rank 32 --steps 32 --rounds 20 --json "$out/basis-paper-16m-cuda.json"
 # end to end: tokens/s of lordo vs ddp, 4 simulated workers on the GPU, equal work

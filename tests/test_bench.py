@@ -8,10 +8,10 @@ from lordo.cli import main
 
 def test_step_and_basis_benchmarks_run_and_write_json(tmp_path, data_dir, capsys):
     out = tmp_path / "step.json"
-    assert main(["bench", "step", "--preset", "nano", "--rank", "4", "--rounds", "4", "--json", str(out)]) == 0
+    assert main(["bench", "step", "--preset", "nano", "--rank", "4", "--rounds", "4", "--compiled", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     names = {r["name"] for r in res["rows"]}
-    assert {"AdamW foreach", "lordo (LowRankQHAdam)", "2 rank-r GEMMs per matrix alone (floor)"} <= names
+    assert {"AdamW foreach", "lordo (LowRankQHAdam)", "lordo, compiled", "2 rank-r GEMMs per matrix alone (floor)"} <= names
     assert all(r["median_ms"] > 0 and r["samples"] == 4 for r in res["rows"])
     assert "| optimizer" in capsys.readouterr().out
     out = tmp_path / "basis.json"

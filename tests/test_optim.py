@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from lordo.optim import (
     LowRankQHAdam,
@@ -190,6 +191,8 @@ def test_rotation_within_the_same_subspace_preserves_back_projected_momentum(big
     (dict(rank=2, omega=-0.1), r"omega must be in \[0, 1\]"),
     (dict(rank=2, qh_source="G"), r"qh_source must be one of"),
     (dict(rank=2, basis_method="qr"), r"basis_method must be one of"),
+    (dict(rank=2, compile="yes"), r"compile must be True or False, got 'yes'"),
+    (dict(rank=2, batched=False, compile=True), r"compile=True compiles the batched step: it needs batched=True or None"),
     (dict(rank=2, batched="yes"), r"batched must be None \(batch the low-rank step on accelerators, not on the CPU\), True or False"),
 ])
 def test_bad_options_are_refused(kwargs, message):
@@ -342,18 +345,22 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape, qh_source, a
         torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("path", ["batched", "per-matrix", "compiled"])
 @pytest.mark.parametrize("qh_source, after_qh", [("grad", "keep"), ("grad+error", "remove")])
-def test_many_matrices_batched_or_not_equal_the_spec_in_float64(batched, qh_source, after_qh):
+def test_many_matrices_batched_or_not_equal_the_spec_in_float64(path, qh_source, after_qh):
     """Three matrices of one shape, two of another side and one more shape in one group (so the batched
     path stacks them), bases set anew for some of them only (so one stack mixes matrices whose error
-    feedback is deferred with matrices whose is not), each against its own float64 spec."""
+    feedback is deferred with matrices whose is not), the learning rate changed at every step (a compiled
+    step must not keep the first one), each against its own float64 spec."""
     torch.manual_seed(4)
     r, options = 2, dict(lr=0.03, betas=(0.9, 0.99), eps=1e-8, omega=0.9, qh_source=qh_source)
     shapes = [(9, 6)] * 3 + [(4, 10)] * 2 + [(7, 7)]
     ws = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     opt = LowRankQHAdam([{"params": ws, "rank": r}], weight_decay=0.05, error_feedback_after_qh=after_qh,
-                        batched=batched, **options)
+                        batched=path != "per-matrix", compile=path == "compiled", **options)
+    if path == "compiled":
+        torch._dynamo.reset()  # count this test's graphs only
+        counters.clear()
     specs = []
     for w in ws:
         q = _orthonormal(min(w.shape), r)
@@ -368,11 +375,15 @@ def test_many_matrices_batched_or_not_equal_the_spec_in_float64(batched, qh_sour
         grads = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
         for w, G in zip(ws, grads):
             w.grad = G.float()
+        opt.param_groups[0]["lr"] = options["lr"] * (1 - 0.05 * t)  # as a scheduler would
         opt.step()
         for w, spec, G in zip(ws, specs, grads):
+            spec.lr = opt.param_groups[0]["lr"]
             spec.step(G)
             torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
+    if path == "compiled":  # the step ran as compiled graphs: a few (shapes become dynamic), not one per lr
+        assert 1 <= counters["stats"]["unique_graphs"] <= 4
     assert all(w.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for w in ws for v in ws if w is not v)
 
 
@@ -516,6 +527,22 @@ def test_galore_update_proj_gap_takes_a_new_basis_from_the_gradient_every_n_step
             assert torch.equal(bases[-1], svd_basis(g, 2))
         else:
             assert torch.equal(bases[-1], bases[-2])
+
+
+def test_a_loaded_state_keeps_how_this_optimizer_runs_and_what_it_computes_from_the_checkpoint():
+    """``batched`` and ``compile`` choose how the step runs on this machine: a checkpoint of a batched run loads
+    into a per-matrix optimizer (and one saved before the options existed) without taking them over, while the
+    hyperparameters come from the checkpoint, as in torch."""
+    w = torch.nn.Parameter(torch.randn(8, 5))
+    saved = LowRankQHAdam([w], lr=0.5, omega=0.9, rank=2, batched=True).state_dict()
+    opt = LowRankQHAdam([w], lr=1e-2, omega=0.9, rank=2, batched=False)
+    opt.load_state_dict(saved)
+    assert (opt.param_groups[0]["batched"], opt.param_groups[0]["compile"], opt.param_groups[0]["lr"]) == (False, False, 0.5)
+    for group in saved["param_groups"]:
+        del group["batched"], group["compile"]
+    opt = LowRankQHAdam([w], rank=2, batched=True)
+    opt.load_state_dict(saved)
+    assert (opt.param_groups[0]["batched"], opt.param_groups[0]["compile"]) == (True, False)
 
 
 def test_state_dtypes_survive_load_state_dict():

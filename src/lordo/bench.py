@@ -125,8 +125,9 @@ FLOOR = "2 rank-r GEMMs per matrix alone (floor)"
 
 
 def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.device, d_model: int | None = None,
-                   n_layers: int | None = None, peers: bool = True) -> dict[str, Any]:
-    """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients."""
+                   n_layers: int | None = None, peers: bool = True, compiled: bool = False) -> dict[str, Any]:
+    """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients; ``compiled``
+    adds the default step batched and compiled (``LowRankQHAdam(compile=True)``, compiled in the warm-up)."""
     from .strategies import make_lowrank_optimizer
 
     model, groups = _model_params(preset, device, d_model, n_layers)
@@ -172,6 +173,11 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
     optimizers[f"lordo, batched={other_path}"] = other = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
     for group in other.param_groups:
         group["batched"] = other_path
+    if compiled:
+        gs, _, _ = replica()
+        optimizers["lordo, compiled"] = opt = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
+        for group in opt.param_groups:
+            group["batched"], group["compile"] = True, True
     gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
     optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
                                                                      error_feedback=False)
@@ -493,6 +499,8 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--rounds", type=int, default=30)
     s.add_argument("--device", default="cpu")
     s.add_argument("--no-peers", action="store_true")
+    s.add_argument("--compiled", action="store_true",
+                   help="also time the step compiled with torch.compile (row 'lordo, compiled'; compiles first)")
     b = sub.add_parser("basis", help="basis refresh: exact SVD vs warm-started subspace iteration on real pseudo-gradients")
     b.add_argument("--preset", default="micro")
     b.add_argument("--rank", type=int, default=16)
@@ -534,7 +542,8 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device")
     if args.what == "step":
-        res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers)
+        res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers,
+                             compiled=args.compiled)
         shape = args.preset if not args.d_model else f"d{args.d_model}"
         write_json(out or Path(f"benchmarks/results/step-{shape}-{device.type}.json"), res)
     elif args.what == "basis":

@@ -140,6 +140,8 @@ class OptimConfig(_Section):
     eps: float = _f(1e-8, "Adam epsilon", _positive)
     weight_decay: float = _f(0.1, "decoupled weight decay (matrices only; norms never decay)", _non_negative)
     grad_clip: float = _f(0.5, "global gradient-norm clip; 0 disables", _non_negative)
+    compile_step: bool = _f(False, "run the low-rank optimizer step batched over matrix shapes and through "
+                            "torch.compile (compiled at the first steps; on the CPU it needs a C++ compiler)")
 
 
 @dataclass(kw_only=True)

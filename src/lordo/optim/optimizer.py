@@ -28,6 +28,9 @@ BASIS_METHODS = ("svd", "subspace")
 GALORE_PROJ_TYPES = ("std",)
 
 
+EXECUTION = ("batched", "compile")  # group options that choose how the step runs, not what it computes
+
+
 def _grad(p: torch.Tensor) -> torch.Tensor:
     """The gradient this rank updates ``p`` with: its shard of it for a sharded (FSDP2) parameter."""
     return local(grad_of(p))
@@ -99,7 +102,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
     shape as one batch (optim/stacked.py; same formulas, fewer kernel launches). None (default): on
-    accelerators, not on the CPU; True / False: always / never.
+    accelerators, not on the CPU; True / False: always / never. ``compile`` (a group option): run each batch's
+    update through ``torch.compile`` (its elementwise work fused into few kernels; compiled at the first step,
+    which takes seconds to a minute; on the CPU it needs a C++ compiler). It applies to the batched path, so
+    ``compile=True`` with ``batched=None`` batches on the CPU too; with ``batched=False`` it is refused.
 
     Parameters sharded by FSDP2 (``fully_shard``; DTensor) are stepped shard by shard, to the same result
     (optim/sharded.py): each low-rank matrix must be split along its long side, which
@@ -124,6 +130,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         error_feedback_after_qh: str = "remove",
         basis_iterations: int = 1,
         batched: bool | None = None,
+        compile: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -139,6 +146,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             error_feedback_after_qh=error_feedback_after_qh,
             basis_iterations=basis_iterations,
             batched=batched,
+            compile=compile,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
 
@@ -177,6 +185,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
         if group["batched"] not in (None, True, False):
             raise ValueError(f"batched must be None (batch the low-rank step on accelerators, not on the CPU), True or "
                              f"False, got {group['batched']!r}")
+        if group["compile"] not in (True, False):
+            raise ValueError(f"compile must be True or False, got {group['compile']!r}")
+        if group["compile"] and group["batched"] is False:
+            raise ValueError("compile=True compiles the batched step: it needs batched=True or None, got batched=False")
         for p in group["params"]:
             check_sharding(p, lowrank=group["rank"] is not None)
         if group["rank"] is not None:
@@ -285,8 +297,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
         batched: list[int] = []
         each: list[int] = []
         for i, p in enumerate(params):
-            choice = self._group_of(p).get("batched")  # absent in state dicts saved before it existed
-            stack = (p.device.type != "cpu" if choice is None else choice) and not is_sharded(p)
+            group = self._group_of(p)
+            choice = group.get("batched")  # absent in state dicts saved before it existed
+            default = p.device.type != "cpu" or bool(group.get("compile"))
+            stack = (default if choice is None else choice) and not is_sharded(p)
             (batched if stack else each).append(i)
         return batched, each
 
@@ -503,8 +517,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping each state tensor's saved dtype: torch casts them to their
         parameter's, which would round float32 bases and moments of a bf16 matrix to bf16 and turn a bf16
-        error-feedback buffer into float32."""
+        error-feedback buffer into float32. How the step runs (``batched``, ``compile``) stays this optimizer's
+        choice, not the saved one's: a checkpoint from a GPU run loads on a CPU as it was built there."""
+        how = [{key: g[key] for key in EXECUTION} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, options in zip(self.param_groups, how, strict=True):
+            group.update(options)
         params = [p for g in self.param_groups for p in g["params"]]
         for index, saved in state_dict["state"].items():
             state = self.state[params[int(index)]]

@@ -26,7 +26,7 @@ per-matrix path avoids the two extra copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -111,49 +111,39 @@ class MatrixStack:
         """Moments and weights of the matrices ``rows`` from their projected gradients ``g`` (n, ., r)."""
         states = self.states[rows]
         b1, b2 = group["betas"]
-        lr, eps, omega = group["lr"], group["eps"], group["omega"]
+        lr, omega = group["lr"], group["omega"]
         u, v = self.tensors["exp_avg"][rows], self.tensors["exp_avg_sq"][rows]
         steps = self.tensors["step"][rows]
         steps.add_(1)
-        u.mul_(b1).add_(g, alpha=1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        # D = sqrt(v/bc2) + ε = (sqrt(v) + ε·sqrt(bc2)) / sqrt(bc2): D' = sqrt(bc2)·D, and the factors
-        # sqrt(bc2) and 1/bc1 go into the per-matrix scales below (no pass for the divisions)
-        t = steps.to(torch.float64)  # the step counts live on the CPU: these scalars cost no device sync
-        root = (1 - b2**t).sqrt()
-
-        def per_matrix(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device=u.device, dtype=u.dtype).view(-1, 1, 1)
-
-        denom = v.sqrt().add_(per_matrix(eps * root))
-        ratio = u / denom
         full, low = self._qh_inputs(group, rows, g)
         with_qh = omega < 1 and full is not None
-        ratio.mul_(per_matrix(-lr * (omega if with_qh else 1.0) * group["scale"] * root / (1 - b1**t)))
-        if with_qh:
-            # − η(1−ω)·A/mean(D) = − κ·A/ΣD' with κ = η(1−ω)·numel·sqrt(bc2)
-            factor = per_matrix(lr * (1 - omega) * denom[0].numel() * root) / denom.sum(dim=(1, 2), keepdim=True)
-            if low is not None:
-                ratio.addcmul_(low.to(ratio.dtype), factor)  # + back(κ/ΣD'·c) joins the low-rank update's GEMM
+        # D = sqrt(v/bc2) + ε = (sqrt(v) + ε·sqrt(bc2)) / sqrt(bc2): D' = sqrt(bc2)·D, and the factors
+        # sqrt(bc2) and 1/bc1 go into the per-matrix scales (no pass for the divisions). The step counts live
+        # on the CPU: the scales are computed there and sent in one small copy, no device synchronisation.
+        t = steps.to(torch.float64)
+        root = (1 - b2**t).sqrt()
+        scales = torch.stack([
+            group["eps"] * root,
+            -lr * (omega if with_qh else 1.0) * group["scale"] * root / (1 - b1**t),
+            lr * (1 - omega) * u[0].numel() * root,  # κ: − η(1−ω)·A/mean(D) = − κ·A/ΣD'
+            (1 - lr * group["weight_decay"]) * torch.ones_like(root),
+        ]).to(device=u.device, dtype=u.dtype).view(4, -1, 1, 1)
         params = self.params[rows]
-        work = torch.stack([p.detach() for p in params]).to(ratio.dtype)  # bf16/fp16: update in fp32
-        basis = self.tensors["basis"][rows].to(work.dtype)
-        decay = 1 - lr * group["weight_decay"]
-        if self.side == RIGHT:
-            work.baddbmm_(ratio.to(work.dtype), basis.transpose(1, 2), beta=decay)
+        work = torch.stack([p.detach() for p in params]).to(u.dtype)  # bf16/fp16: update in fp32
+        buffers = []  # what E ← ω·E shrinks (``remove``): E, and proj(S) beside a running sum S
+        if with_qh and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
+            if "error_feedback" in self.tensors:
+                buffers.append(self.tensors["error_feedback"][rows])
+            if INSIDE in states[0]:
+                buffers.append(self.inside[rows])
+        args = (work, u, v, g, self.tensors["basis"][rows], full if with_qh else None, low if with_qh else None,
+                buffers, scales)
+        if group.get("compile"):
+            compiled_update(*args, None, b1=b1, b2=b2, side=self.side, omega=omega)
         else:
-            work.baddbmm_(basis, ratio.to(work.dtype), beta=decay)
-        if with_qh:
-            assert full is not None
-            work.addcmul_(full.to(work.dtype), (-factor).to(work.dtype))
+            update(*args, 1 - lr * group["weight_decay"], b1=b1, b2=b2, side=self.side, omega=omega)
         torch._foreach_copy_([p.detach() for p in params], list(work.unbind(0)))
         self._grad = None
-        if with_qh and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
-            # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
-            if "error_feedback" in self.tensors:
-                self.tensors["error_feedback"][rows].mul_(omega)
-            if INSIDE in states[0]:
-                self.inside[rows].mul_(omega)
 
     def _qh_inputs(self, group: dict, rows: slice, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The full-rank term's input as (full-size part, low-rank part): A = full − back(low)."""
@@ -181,3 +171,54 @@ class MatrixStack:
                 runs.append(slice(start, i))
                 start = i
         return runs
+
+
+def update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, basis: torch.Tensor,
+           full: torch.Tensor | None, low: torch.Tensor | None, buffers: list[torch.Tensor], scales: torch.Tensor,
+           decay: float | None, *, b1: float, b2: float, side: str, omega: float) -> None:
+    """The step of a stack from its projected gradients ``g``, in place: the moments u, v, the stacked weights
+    ``work`` (float32 or wider), and the error-feedback ``buffers`` to shrink by ω (``remove``; empty else).
+    ``scales`` (4, n, 1, 1): ε·sqrt(bc2), the low-rank update's factor α, the QH term's κ and the weight decay's
+    factor 1 − ηλ per matrix (see :meth:`MatrixStack.apply`); ``full``/``low``: the QH term's
+    A = full − back(low) (None: no QH term).
+
+    Plain tensor code without host reads, so ``torch.compile`` captures it whole (:func:`compiled_update`).
+    ``decay``: 1 − ηλ as a number (eager: the GEMM's β, no extra pass), or None to take it from ``scales``
+    (compiled: a number would be a constant of the graph, recompiled at every learning rate)."""
+    eps_root, alpha, kappa, decays = scales.unbind(0)
+    u.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt().add_(eps_root)
+    ratio = (u / denom).mul_(alpha)
+    factor = None
+    if full is not None:
+        factor = kappa / denom.sum(dim=(1, 2), keepdim=True)
+        if low is not None:
+            ratio.addcmul_(low.to(ratio.dtype), factor)  # + back(κ/ΣD'·c) joins the low-rank update's GEMM
+    ratio, basis = ratio.to(work.dtype), basis.to(work.dtype)
+    left, right = (ratio, basis.transpose(1, 2)) if side == RIGHT else (basis, ratio)
+    if decay is None:  # the GEMM alone, its epilogue (decay, QH term, E ← ω·E) fused into one pass by inductor
+        work.mul_(decays).add_(torch.bmm(left, right))
+    else:
+        work.baddbmm_(left, right, beta=decay)
+    if full is not None:
+        assert factor is not None
+        work.addcmul_(full.to(work.dtype), (-factor).to(work.dtype))
+    for buffer in buffers:  # the full-rank term applied (1 − ω)·E of what lies outside the subspace
+        buffer.mul_(omega)
+
+
+_compiled: Callable | None = None
+
+
+def compiled_update(*args, **kwargs) -> None:
+    """:func:`update` through ``torch.compile`` (compiled on first use; one graph per shape and mode, shapes
+    dynamic after the second): the elementwise work of a step fused into few kernels."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(update, fullgraph=True)
+    try:
+        _compiled(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as err:
+        raise RuntimeError("LowRankQHAdam(compile=True): torch.compile could not build the step on this machine "
+                           "(on the CPU it needs a C++ compiler, on a GPU Triton); use compile=False") from err

@@ -90,6 +90,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=s.basis_method,
         basis_iterations=s.basis_iterations, error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
+        compile=o.compile_step,
     )
 
 
