@@ -203,28 +203,34 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def lowrank_params(self) -> list[tuple[torch.Tensor, dict]]:
         return [(p, g) for g in self.param_groups if g["rank"] is not None for p in g["params"]]
 
-    def _group_of(self, param: torch.Tensor) -> dict:
-        # cached per identity of the group dicts and their sizes: add_param_group and load_state_dict (which
-        # replaces the dicts) rebuild it
+    def _group_index(self) -> dict[int, dict]:
+        """id(parameter) → its group; cached per identity of the group dicts and their sizes (add_param_group
+        and load_state_dict, which replaces the dicts, rebuild it). Look it up once per call of the step's
+        halves, not once per parameter: on a GPU the step is bound by host time."""
         key = tuple((id(g), len(g["params"])) for g in self.param_groups)
-        cached = self.__dict__.get("_group_index")
+        cached = self.__dict__.get("_group_index_cache")
         if cached is None or cached[0] != key:
             cached = (key, {id(p): g for g in self.param_groups for p in g["params"]})
-            self.__dict__["_group_index"] = cached
-        group = cached[1].get(id(param))
+            self.__dict__["_group_index_cache"] = cached
+        return cached[1]
+
+    def _group_of(self, param: torch.Tensor, index: dict[int, dict] | None = None) -> dict:
+        group = (self._group_index() if index is None else index).get(id(param))
         if group is None:
             raise KeyError("parameter is not managed by this optimizer")
         return group
 
     def _by_group(self, params: list[torch.Tensor]) -> list[tuple[dict, list[int]]]:
         """``params`` split by parameter group, in order: (group, positions in ``params``) per group."""
+        index = self._group_index()
         by_group: dict[int, tuple[dict, list[int]]] = {}
         for i, p in enumerate(params):
-            group = self._group_of(p)
+            group = self._group_of(p, index)
             by_group.setdefault(id(group), (group, []))[1].append(i)
         return list(by_group.values())
 
     def _init_lowrank_state(self, p: torch.Tensor, group: dict, basis: torch.Tensor) -> dict:
+        self.__dict__["_state_generation"] = self.__dict__.get("_state_generation", 0) + 1  # stacks change
         state = self.state[p]
         r = group["rank"]
         side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
@@ -296,8 +302,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
         accelerators) and of the others."""
         batched: list[int] = []
         each: list[int] = []
+        index = self._group_index()
         for i, p in enumerate(params):
-            group = self._group_of(p)
+            group = self._group_of(p, index)
             choice = group.get("batched")  # absent in state dicts saved before it existed
             default = p.device.type != "cpu" or bool(group.get("compile"))
             stack = (default if choice is None else choice) and not is_sharded(p)
@@ -305,8 +312,23 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return batched, each
 
     def _stacks(self, params: list[torch.Tensor]) -> list[tuple[MatrixStack, dict, list[slice]]]:
-        """The stacks (optim/stacked.py) holding the state of the low-rank ``params``, built or rebuilt where
-        needed, each with its group and the row ranges to update: consecutive requested rows in one mode."""
+        """The stacks (optim/stacked.py) holding the state of the low-rank ``params``, each with its group and
+        the row ranges to update: consecutive requested rows in one mode. Which stacks hold ``params`` is
+        worked out once and kept while the same matrices are asked for, the groups are the same, no matrix
+        got new state and every stack is intact (host time is what a GPU step of many matrices costs)."""
+        index = self._group_index()
+        key = (tuple(id(p) for p in params), self.__dict__.get("_state_generation", 0))
+        plan = self.__dict__.get("_stack_plan")
+        if plan is None or plan[0] != key or plan[1] is not index or not all(stack.intact() for stack, _ in plan[2]):
+            plan = (key, index, self._plan_stacks(params))
+            self.__dict__["_stack_plan"] = plan
+        wanted = {id(p) for p in params}
+        return [(stack, group, [rows for run in stack.uniform_runs() for rows in _runs_within(run, stack, wanted)])
+                for stack, group in plan[2]]
+
+    def _plan_stacks(self, params: list[torch.Tensor]) -> list[tuple[MatrixStack, dict]]:
+        """The stacks holding ``params``, built or rebuilt where needed: one per group, shape, dtype and device
+        of the matrices that have state."""
         cache: dict = self.__dict__.setdefault("_stack_cache", {})
         wanted = {id(p) for p in params}
         out = []
@@ -315,12 +337,13 @@ class LowRankQHAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if "basis" in self.state[p] and not is_sharded(p):
                     by_key.setdefault((id(group), tuple(p.shape), p.dtype, p.device), []).append(p)
-            for key in {k for k, members in by_key.items() if any(id(p) in wanted for p in members)}:
-                members = by_key[key]
+            for key, members in by_key.items():
+                if not any(id(p) in wanted for p in members):
+                    continue
                 stack = cache.get(key)
                 if stack is None or [id(p) for p in stack.params] != [id(p) for p in members] or not stack.intact():
                     stack = cache[key] = MatrixStack(members, [self.state[p] for p in members])
-                out.append((stack, group, [rows for run in stack.uniform_runs() for rows in _runs_within(run, stack, wanted)]))
+                out.append((stack, group))
         return out
 
     @torch.no_grad()
@@ -345,9 +368,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
         """g = proj(G + E) of each low-rank matrix in ``params``, updating its error feedback (batched over the
         matrices of one shape, or the deferred sums in one multi-tensor call); creates a matrix's state (basis
         from its gradient) on first use."""
+        index = self._group_index()
         for p in params:
             _check_dense(p)
-            group, state = self._group_of(p), self.state[p]
+            group, state = self._group_of(p, index), self.state[p]
             if "basis" not in state:
                 basis = svd_basis(self.whole(p, grad_of(p)), group["rank"])
                 if basis is None:

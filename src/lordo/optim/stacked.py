@@ -47,20 +47,19 @@ class MatrixStack:
         self.tensors = {key: torch.stack([s[key] for s in self.states]) for key in STACKED_STATE if key in self.states[0]}
         low_shape = self.tensors["exp_avg"].shape
         self.inside = torch.zeros(low_shape, dtype=self.params[0].dtype, device=self.params[0].device)
+        self._views: list[tuple[dict, str, torch.Tensor]] = []  # (state, key, the view it must hold)
         for i, s in enumerate(self.states):
             for key, stacked in self.tensors.items():
                 s[key] = stacked[i]
+                self._views.append((s, key, s[key]))
             if INSIDE in s:
                 self.inside[i].copy_(s[INSIDE])
                 s[INSIDE] = self.inside[i]
 
     def intact(self) -> bool:
-        """Whether every state tensor still points into this stack."""
-        for i, s in enumerate(self.states):
-            for key, stacked in self.tensors.items():
-                if key not in s or s[key].data_ptr() != stacked[i].data_ptr():
-                    return False
-        return True
+        """Whether every state tensor is still the view this stack put there (checked at every step: by
+        identity, which is cheap; a state loaded or set anew holds other tensors)."""
+        return all(s.get(key) is view for s, key, view in self._views)
 
     # ---------------------------------------------------------------------------------------------------
 
@@ -120,14 +119,16 @@ class MatrixStack:
         # D = sqrt(v/bc2) + ε = (sqrt(v) + ε·sqrt(bc2)) / sqrt(bc2): D' = sqrt(bc2)·D, and the factors
         # sqrt(bc2) and 1/bc1 go into the per-matrix scales (no pass for the divisions). The step counts live
         # on the CPU: the scales are computed there and sent in one small copy, no device synchronisation.
-        t = steps.to(torch.float64)
-        root = (1 - b2**t).sqrt()
-        scales = torch.stack([
-            group["eps"] * root,
-            -lr * (omega if with_qh else 1.0) * group["scale"] * root / (1 - b1**t),
-            lr * (1 - omega) * u[0].numel() * root,  # κ: − η(1−ω)·A/mean(D) = − κ·A/ΣD'
-            (1 - lr * group["weight_decay"]) * torch.ones_like(root),
-        ]).to(device=u.device, dtype=u.dtype).view(4, -1, 1, 1)
+        ts = steps.tolist()
+        roots = [(1 - b2**t) ** 0.5 for t in ts]
+        alpha = -lr * (omega if with_qh else 1.0) * group["scale"]
+        kappa = lr * (1 - omega) * u[0].numel()  # κ: − η(1−ω)·A/mean(D) = − κ·A/ΣD'
+        scales = torch.tensor([
+            [group["eps"] * root for root in roots],
+            [alpha * root / (1 - b1**t) for root, t in zip(roots, ts)],
+            [kappa * root for root in roots],
+            [1 - lr * group["weight_decay"]] * len(roots),
+        ], dtype=u.dtype).view(4, -1, 1, 1).to(u.device)
         params = self.params[rows]
         work = torch.stack([p.detach() for p in params]).to(u.dtype)  # bf16/fp16: update in fp32
         buffers = []  # what E ← ω·E shrinks (``remove``): E, and proj(S) beside a running sum S
