@@ -21,7 +21,9 @@ Per-matrix state is kept as views, so ``state_dict``, :meth:`LowRankQHAdam.set_b
 before; a stack whose views were replaced (a ``load_state_dict``, a basis set anew) is rebuilt from the
 per-matrix tensors. :class:`LowRankQHAdam` takes this path on accelerators (``batched=None``) or when asked
 (``batched=True``); on the CPU, where the step is bound by memory traffic rather than launches, the
-per-matrix path avoids the two extra copies.
+per-matrix path avoids the two extra copies. With ``compile=True`` the update (:func:`update`) runs through
+``torch.compile``: the moment math, the scales and the full-size epilogue of the GEMM (weight decay, QH term,
+E ← ω·E) become two fused kernels around one ``bmm``.
 """
 
 from __future__ import annotations
