@@ -387,6 +387,43 @@ def test_many_matrices_batched_or_not_equal_the_spec_in_float64(path, qh_source,
     assert all(w.untyped_storage().data_ptr() != v.untyped_storage().data_ptr() for w in ws for v in ws if w is not v)
 
 
+def test_the_batched_step_follows_matrices_that_join_skip_or_reload():
+    """The batched path keeps its plan of stacks between steps: a matrix whose first gradient comes late
+    joins its shape's stack, a matrix without a gradient is left alone, a state tensor replaced by hand and a
+    loaded state are used, each step ending where the per-matrix path does."""
+    torch.manual_seed(12)
+    shapes = [(9, 6)] * 3 + [(5, 8)]
+    grads = [[torch.randn(shape) for shape in shapes] for _ in range(6)]
+    has_grad = [(0, 1, 3), (0, 1, 2, 3), (1, 2), (0, 1, 2, 3), (0, 1, 2, 3), (0, 2, 3)]
+    runs = {}
+    for batched in (True, False):
+        ws = [torch.nn.Parameter(torch.ones(shape) + 0.1 * k) for k, shape in enumerate(shapes)]
+        opt = LowRankQHAdam([{"params": ws, "rank": 2}], lr=0.02, omega=0.9, weight_decay=0.1, batched=batched)
+        history, saved = [], None
+        for t, (step_grads, present) in enumerate(zip(grads, has_grad)):
+            if t == 2:
+                saved = io_round_trip(opt.state_dict())
+            if t == 3:  # a state tensor replaced by hand
+                opt.state[ws[1]]["exp_avg"] = opt.state[ws[1]]["exp_avg"] * 0.5
+            if t == 4:  # back to the state of step 2: new tensors, which the stacks must be rebuilt from
+                opt.load_state_dict(saved)
+            for k, (w, g) in enumerate(zip(ws, step_grads)):
+                w.grad = g.clone() if k in present else None
+            opt.step()
+            history.append([w.detach().clone() for w in ws])
+        runs[batched] = history
+    for after_batched, after_each in zip(runs[True], runs[False], strict=True):
+        for a, b in zip(after_batched, after_each, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def io_round_trip(state_dict: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 @pytest.mark.parametrize("omega", [0.0, 0.9, 1.0])
 def test_full_rank_qhadam_on_several_tensors_equals_the_formula_in_float64(omega):
     """The multi-tensor full-rank path (torch's fused AdamW plus the quasi-hyperbolic correction) against
