@@ -299,27 +299,35 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     def _split_batched(self, params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
         """Positions in ``params`` of the matrices the batched path takes (their group's ``batched``; None: on
-        accelerators) and of the others."""
+        accelerators) and of the others; kept while the same matrices are asked for with the same groups and
+        group options."""
+        index = self._group_index()
+        key = (tuple(id(p) for p in params), tuple((g.get("batched"), g.get("compile")) for g in self.param_groups))
+        cached = self.__dict__.get("_split_cache")
+        if cached is not None and cached[0] == key and cached[1] is index:
+            return cached[2]
         batched: list[int] = []
         each: list[int] = []
-        index = self._group_index()
         for i, p in enumerate(params):
             group = self._group_of(p, index)
             choice = group.get("batched")  # absent in state dicts saved before it existed
             default = p.device.type != "cpu" or bool(group.get("compile"))
             stack = (default if choice is None else choice) and not is_sharded(p)
             (batched if stack else each).append(i)
+        self.__dict__["_split_cache"] = (key, index, (batched, each))
         return batched, each
 
-    def _stacks(self, params: list[torch.Tensor]) -> list[tuple[MatrixStack, dict, list[slice]]]:
+    def _stacks(self, params: list[torch.Tensor], verify: bool = True) -> list[tuple[MatrixStack, dict, list[slice]]]:
         """The stacks (optim/stacked.py) holding the state of the low-rank ``params``, each with its group and
         the row ranges to update: consecutive requested rows in one mode. Which stacks hold ``params`` is
         worked out once and kept while the same matrices are asked for, the groups are the same, no matrix
-        got new state and every stack is intact (host time is what a GPU step of many matrices costs)."""
+        got new state and every stack is intact (host time is what a GPU step of many matrices costs);
+        ``verify=False`` skips the last check (the step's second half: the first one just made it)."""
         index = self._group_index()
         key = (tuple(id(p) for p in params), self.__dict__.get("_state_generation", 0))
         plan = self.__dict__.get("_stack_plan")
-        if plan is None or plan[0] != key or plan[1] is not index or not all(stack.intact() for stack, _ in plan[2]):
+        if (plan is None or plan[0] != key or plan[1] is not index
+                or (verify and not all(stack.intact() for stack, _ in plan[2]))):
             plan = (key, index, self._plan_stacks(params))
             self.__dict__["_stack_plan"] = plan
         wanted = {id(p) for p in params}
@@ -359,7 +367,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def _apply_stacked(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
         position = {id(p): i for i, p in enumerate(params)}
-        for stack, group, slices in self._stacks(params):
+        for stack, group, slices in self._stacks(params, verify=False):
             for rows in slices:
                 stack.apply(group, rows, torch.stack([gs[position[id(stack.params[i])]] for i in range(rows.start, rows.stop)]))
 

@@ -165,12 +165,10 @@ class MatrixStack:
 
     def uniform_runs(self) -> list[slice]:
         """Consecutive rows in the same mode (deferred or not, with or without proj(S)), each one batch."""
-        def mode(s: dict) -> tuple[bool, bool]:
-            return bool(s.get(DEFERRED)), INSIDE in s
-
+        modes = [(bool(s.get(DEFERRED)), INSIDE in s) for s in self.states]
         runs, start = [], 0
-        for i in range(1, len(self.states) + 1):
-            if i == len(self.states) or mode(self.states[i]) != mode(self.states[start]):
+        for i in range(1, len(modes) + 1):
+            if i == len(modes) or modes[i] != modes[start]:
                 runs.append(slice(start, i))
                 start = i
         return runs
