@@ -61,3 +61,18 @@ def test_the_memory_benchmark_keeps_the_committed_table_for_its_default_shapes(t
     rows = json.loads(written[0].read_text())["rows"]
     plain = next(r for r in rows if r["name"] == "lordo")
     assert plain["shape"] == "nano" and plain["device_bytes"] > 0
+
+
+def test_host_overhead_benchmark_compares_source_trees(tmp_path):
+    """benchmarks/host_overhead.py times each tree in its own process and prints their ratio to the first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "host_overhead.py"), str(root / "src"), str(root / "src"),
+                           "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {root / 'src'} |")]
+    assert len(rows) == 2 and rows[0].endswith("| 1.00 |")
+    assert float(rows[1].split("|")[2]) > 0

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # set-up commands: run by `make` (and so by CI) before the tests, not again here
-SETUP = ("make ", "python3 -m venv", ".venv/bin/pip install", "pip install", "python tools/gen_docs.py")
+SETUP = ("make ", "python3 -m venv", ".venv/bin/pip install", "pip install", "python tools/gen_docs.py", "git worktree add ")
 
 
 def blocks(page: Path, lang: str) -> list[str]:
@@ -156,7 +156,8 @@ def test_shell_commands_run_or_parse(page, data_dir, tmp_path):
             if exe == "torchft_lighthouse":  # a server that runs until stopped: it must be installed
                 assert (bin_dir / exe).exists(), f"{page_id(page)}: {exe} is not installed (the ft extra)"
                 continue
-            if exe == "python" and argv[1].startswith("examples/"):  # a worker of a run the page describes
+            if exe == "python" and argv[1].startswith(("examples/", "benchmarks/")):  # a worker of a run the page
+                # describes, or a benchmark (tests/test_bench.py runs them small)
                 _check_script(argv[1:], page_id(page))
                 continue
             if exe == "torchrun":
