@@ -114,6 +114,7 @@ def test_a_default_config_trains_at_its_strategys_learning_rate():
     (["dist.shard=true", "dist.ranks_per_worker=2", 'dist.backend="sim"'], r"runs under torch.distributed .* not 'sim'"),
     (["dist.shard=true", "dist.ranks_per_worker=2", 'strategy.name="ddp"'], r"local-update strategies .* not 'ddp'"),
     (["dist.shard=true", "dist.ranks_per_worker=2", "train.compile=true"], r"does not take train.compile"),
+    (["dist.shard=true", "dist.ranks_per_worker=2", "optim.compile_step=true"], r"optim.compile_step = true would not apply"),
 ])
 def test_sharded_workers_refuse_what_they_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):

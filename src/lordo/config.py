@@ -334,6 +334,9 @@ class Config:
                               f"lordo-global-noqh), not {self.strategy.name!r}")
         if self.train.compile or self.train.precision == "fp16-mixed":
             raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
+        if self.optim.compile_step:
+            raise ConfigError("dist.shard = true steps each matrix's shard on its own (the per-matrix path): "
+                              "optim.compile_step = true would not apply; leave it false")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
