@@ -111,7 +111,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
     (optim/sharded.py): each low-rank matrix must be split along its long side, which
     ``fully_shard(..., shard_placement_fn=lordo.optim.fsdp_placement)`` does; bases are computed from the
     gathered matrix and are whole on every rank; state is each rank's shards (save it per rank). Sharded
-    matrices take the per-matrix path, not the batched one.
+    matrices take the per-matrix path, not the batched one (nor the compiled one).
     """
 
     def __init__(
