@@ -175,8 +175,9 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
         group["batched"] = other_path
     if compiled:
         gs, _, _ = replica()
-        optimizers["lordo, compiled"] = opt = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
-        for group in opt.param_groups:
+        optimizers["lordo, compiled"] = compiled_opt = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim,
+                                                                            omega=cfg.strategy.omega)
+        for group in compiled_opt.param_groups:
             group["batched"], group["compile"] = True, True
     gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
     optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
