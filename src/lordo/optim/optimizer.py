@@ -230,7 +230,6 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return list(by_group.values())
 
     def _init_lowrank_state(self, p: torch.Tensor, group: dict, basis: torch.Tensor) -> dict:
-        self.__dict__["_state_generation"] = self.__dict__.get("_state_generation", 0) + 1  # stacks change
         state = self.state[p]
         r = group["rank"]
         side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
@@ -320,11 +319,13 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def _stacks(self, params: list[torch.Tensor], verify: bool = True) -> list[tuple[MatrixStack, dict, list[slice]]]:
         """The stacks (optim/stacked.py) holding the state of the low-rank ``params``, each with its group and
         the row ranges to update: consecutive requested rows in one mode. Which stacks hold ``params`` is
-        worked out once and kept while the same matrices are asked for, the groups are the same, no matrix
-        got new state and every stack is intact (host time is what a GPU step of many matrices costs);
-        ``verify=False`` skips the last check (the step's second half: the first one just made it)."""
+        worked out once and kept while the same matrices are asked for, the groups are the same and every
+        stack is intact (host time is what a GPU step of many matrices costs). Every asked-for matrix has
+        state by then (``project_gradients`` creates it first), so a kept plan covers them all; a matrix
+        outside them that gets state later changes no stack the plan holds. ``verify=False`` skips the
+        integrity check (the step's second half: the first one just made it)."""
         index = self._group_index()
-        key = (tuple(id(p) for p in params), self.__dict__.get("_state_generation", 0))
+        key = tuple(id(p) for p in params)
         plan = self.__dict__.get("_stack_plan")
         if (plan is None or plan[0] != key or plan[1] is not index
                 or (verify and not all(stack.intact() for stack, _ in plan[2]))):
