@@ -124,12 +124,13 @@ def _model_params(preset: str, device: torch.device, d_model: int | None = None,
 FLOOR = "2 rank-r GEMMs per matrix alone (floor)"
 
 
+Replica = Callable[[], tuple[list, list[torch.Tensor], list[torch.Tensor]]]
+
+
 def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.device, d_model: int | None = None,
                    n_layers: int | None = None, peers: bool = True, compiled: bool = False) -> dict[str, Any]:
     """Median time of one optimizer step on ``preset``'s parameters with fixed random gradients; ``compiled``
     adds the default step batched and compiled (``LowRankQHAdam(compile=True)``, compiled in the warm-up)."""
-    from .strategies import make_lowrank_optimizer
-
     model, groups = _model_params(preset, device, d_model, n_layers)
     matrices = [p for g in groups if g.rule.matrix for p in g.params]
     r = rank or min(min(p.shape) for p in matrices) // 8
@@ -146,82 +147,13 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
         gs = group_parameters(m)
         return gs, [p for g in gs if g.rule.matrix for p in g.params], [p for g in gs if not g.rule.matrix for p in g.params]
 
-    fns: dict[str, Callable[[], None]] = {}
     skipped: dict[str, str] = {}
-    optimizers: dict[str, torch.optim.Optimizer] = {}
-
-    for label, fused in (("AdamW fused", True), ("AdamW foreach", False)):
-        if fused and device.type == "cpu" and not _fused_cpu_ok():
-            skipped[label] = "fused AdamW is not available for CPU in this torch"
-            continue
-        _, ms, os_ = replica()
-        optimizers[label] = torch.optim.AdamW(ms + os_, lr=1e-3, weight_decay=0.1, fused=fused or None,
-                                              foreach=None if fused else True)
-
-    cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
-    forms: dict[str, dict[str, Any]] = {  # the default full-rank term (G + E, what it applied removed from E), others
-        "lordo (LowRankQHAdam)": {},
-        "lordo, G + E kept": {"error_feedback_after_qh": "keep"},
-        "lordo, qh_source=grad": {"qh_source": "grad"},
-    }
-    for label, changes in forms.items():
-        gs, _, _ = replica()
-        s = dataclasses.replace(cfg.strategy, **changes)
-        optimizers[label] = make_lowrank_optimizer(gs, s, cfg.optim, omega=s.omega)
-    gs, _, _ = replica()  # the default's other path on this device: batched over shapes, or per matrix
-    other_path = device.type == "cpu"
-    optimizers[f"lordo, batched={other_path}"] = other = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega)
-    for group in other.param_groups:
-        group["batched"] = other_path
-    if compiled:
-        gs, _, _ = replica()
-        optimizers["lordo, compiled"] = compiled_opt = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim,
-                                                                            omega=cfg.strategy.omega)
-        for group in compiled_opt.param_groups:
-            group["batched"], group["compile"] = True, True
-    gs, _, _ = replica()  # like for like with GaLore, which keeps no error feedback
-    optimizers["lordo, error_feedback=false"] = make_lowrank_optimizer(gs, cfg.strategy, cfg.optim, omega=cfg.strategy.omega,
-                                                                     error_feedback=False)
-
+    optimizers = _adamw_optimizers(replica, device, skipped)
+    optimizers.update(_lordo_optimizers(replica, preset, r, device, compiled))
     if peers:
-        huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from galore_torch import GaLoreAdamW
-            _, ms, os_ = replica()
-            optimizers["galore-torch GaLoreAdamW"] = GaLoreAdamW(
-                [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "proj_type": "std"},
-                 {"params": os_}], lr=1e-3, weight_decay=0.1, no_deprecation_warning=True)
-        except Exception as exc:  # ImportError, or its transformers / bitsandbytes imports failing
-            skipped["galore-torch GaLoreAdamW"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
-        try:
-            from pytorch_optimizer import GaLore
-
-            _, ms, os_ = replica()
-            optimizers["pytorch-optimizer GaLore"] = GaLore(
-                [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "projection_type": "std"},
-                 {"params": os_}], lr=1e-3, weight_decay=0.1)
-        except Exception as exc:
-            skipped["pytorch-optimizer GaLore"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
-
-    for name, opt in optimizers.items():
-        fns[name] = opt.step
-
-    # the arithmetic floor of any rank-r step: the two GEMMs per matrix that lordo's steady-state step does
-    # (project G, back-project the update into W), nothing else
-    _, floor_ms, _ = replica()
-    floor_bases = [torch.linalg.qr(torch.randn(min(p.shape), r, generator=gen).to(device))[0] for p in floor_ms]
-
-    def gemms_only() -> None:
-        with torch.no_grad():
-            for p, b in zip(floor_ms, floor_bases):
-                if p.shape[0] >= p.shape[1]:
-                    p.addmm_(p.grad @ b, b.T, alpha=-1e-9)
-                else:
-                    p.addmm_(b, b.T @ p.grad, alpha=-1e-9)
-
-    fns[FLOOR] = gemms_only
+        optimizers.update(_peer_optimizers(replica, r, skipped))
+    fns: dict[str, Callable[[], None]] = {name: opt.step for name, opt in optimizers.items()}
+    fns[FLOOR] = _gemm_floor(replica, r, gen, device)
     times = time_interleaved(fns, rounds=rounds, warmup=3, device=device)
     reference = "AdamW fused" if "AdamW fused" in times else "AdamW foreach"
     rows = summarize(times, reference)
@@ -237,6 +169,94 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
         print(f"skipped {name}: {why}")
     return {"preset": preset, "d_model": d_model, "n_layers": n_layers, "params": n_params, "rank": r,
             "device": str(device), "rows": rows, "skipped": skipped}
+
+
+def _adamw_optimizers(replica: Replica, device: torch.device, skipped: dict[str, str]) -> dict[str, torch.optim.Optimizer]:
+    """AdamW fused (the reference, where this torch has it for ``device``) and foreach, over every parameter."""
+    out: dict[str, torch.optim.Optimizer] = {}
+    for label, fused in (("AdamW fused", True), ("AdamW foreach", False)):
+        if fused and device.type == "cpu" and not _fused_cpu_ok():
+            skipped[label] = "fused AdamW is not available for CPU in this torch"
+            continue
+        _, ms, os_ = replica()
+        out[label] = torch.optim.AdamW(ms + os_, lr=1e-3, weight_decay=0.1, fused=fused or None,
+                                       foreach=None if fused else True)
+    return out
+
+
+def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.device,
+                      compiled: bool) -> dict[str, torch.optim.Optimizer]:
+    """lordo's optimizer as the defaults build it, its other forms of the full-rank term, its other execution
+    path on ``device`` (batched over shapes, or per matrix), compiled (if asked) and without error feedback."""
+    from .strategies import make_lowrank_optimizer
+
+    cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
+
+    def build(strategy=cfg.strategy, **options) -> torch.optim.Optimizer:
+        gs, _, _ = replica()
+        return make_lowrank_optimizer(gs, strategy, cfg.optim, omega=strategy.omega, **options)
+
+    out: dict[str, torch.optim.Optimizer] = {}
+    forms: dict[str, dict[str, Any]] = {  # the default full-rank term (G + E, what it applied removed from E), others
+        "lordo (LowRankQHAdam)": {},
+        "lordo, G + E kept": {"error_feedback_after_qh": "keep"},
+        "lordo, qh_source=grad": {"qh_source": "grad"},
+    }
+    for label, changes in forms.items():
+        out[label] = build(dataclasses.replace(cfg.strategy, **changes))
+    other_path = device.type == "cpu"
+    paths = {f"lordo, batched={other_path}": {"batched": other_path}}
+    if compiled:
+        paths["lordo, compiled"] = {"batched": True, "compile": True}
+    for label, options in paths.items():
+        out[label] = opt = build()
+        for group in opt.param_groups:
+            group.update(options)
+    out["lordo, error_feedback=false"] = build(error_feedback=False)  # like for like with GaLore, which keeps none
+    return out
+
+
+def _peer_optimizers(replica: Replica, r: int, skipped: dict[str, str]) -> dict[str, torch.optim.Optimizer]:
+    """The GaLore packages (the ``bench`` extra) at rank ``r``, their projector computed once in the warm-up."""
+    out: dict[str, torch.optim.Optimizer] = {}
+    huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from galore_torch import GaLoreAdamW
+        _, ms, os_ = replica()
+        out["galore-torch GaLoreAdamW"] = GaLoreAdamW(
+            [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "proj_type": "std"},
+             {"params": os_}], lr=1e-3, weight_decay=0.1, no_deprecation_warning=True)
+    except Exception as exc:  # ImportError, or its transformers / bitsandbytes imports failing
+        skipped["galore-torch GaLoreAdamW"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
+    try:
+        from pytorch_optimizer import GaLore
+
+        _, ms, os_ = replica()
+        out["pytorch-optimizer GaLore"] = GaLore(
+            [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "projection_type": "std"},
+             {"params": os_}], lr=1e-3, weight_decay=0.1)
+    except Exception as exc:
+        skipped["pytorch-optimizer GaLore"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
+    return out
+
+
+def _gemm_floor(replica: Replica, r: int, gen: torch.Generator, device: torch.device) -> Callable[[], None]:
+    """The arithmetic floor of any rank-r step: the two GEMMs per matrix that lordo's steady-state step does
+    (project G, back-project the update into W), nothing else."""
+    _, floor_ms, _ = replica()
+    floor_bases = [torch.linalg.qr(torch.randn(min(p.shape), r, generator=gen).to(device))[0] for p in floor_ms]
+
+    def gemms_only() -> None:
+        with torch.no_grad():
+            for p, b in zip(floor_ms, floor_bases):
+                if p.shape[0] >= p.shape[1]:
+                    p.addmm_(p.grad @ b, b.T, alpha=-1e-9)
+                else:
+                    p.addmm_(b, b.T @ p.grad, alpha=-1e-9)
+
+    return gemms_only
 
 
 def _fused_cpu_ok() -> bool:
