@@ -148,18 +148,25 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
     folder = root / "plots"
     folder.mkdir(exist_ok=True)
     written = []
+    for draw in (_plot_loss_vs_step, _plot_loss_vs_bytes, _plot_overlap, _plot_feedback, _plot_swept, _plot_memory):
+        written += [_save(fig, folder / name) for name, fig in draw(plt, runs)]
+    return written
 
-    def evals(run):
-        return [r for r in run["metrics"] if "val_loss" in r]
 
+Figures = list[tuple[str, Any]]  # (file name, matplotlib figure)
+
+
+def _plot_loss_vs_step(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        e = evals(run)
+        e = [r for r in run["metrics"] if "val_loss" in r]
         ax.plot([r["step"] for r in e], [r["val_loss"] for r in e], marker="o", ms=3, label=run["name"])
     ax.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
     ax.legend(fontsize=6)
-    written.append(_save(fig, folder / "val_loss_vs_step.png"))
+    return [("val_loss_vs_step.png", fig)]
 
+
+def _plot_loss_vs_bytes(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
         e = _wire_rows(run)
@@ -169,29 +176,39 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
            title="validation loss vs communication")
     if ax.get_lines():
         ax.legend(fontsize=6)
-    written.append(_save(fig, folder / "val_loss_vs_bytes.png"))
+    return [("val_loss_vs_bytes.png", fig)]
 
+
+def _plot_overlap(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     with_overlap = [run for run in runs if any("basis_overlap" in r for r in run["metrics"])]
-    if with_overlap:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run in with_overlap:
-            ov = [r["basis_overlap"] for r in run["metrics"] if "basis_overlap" in r]
-            ax.plot(range(1, len(ov) + 1), ov, marker="o", ms=3, label=run["name"])
-        ax.set(xlabel="synchronisation round", ylabel="basis overlap (1 = unchanged)", title="basis overlap")
-        ax.legend(fontsize=6)
-        written.append(_save(fig, folder / "basis_overlap.png"))
+    if not with_overlap:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in with_overlap:
+        ov = [r["basis_overlap"] for r in run["metrics"] if "basis_overlap" in r]
+        ax.plot(range(1, len(ov) + 1), ov, marker="o", ms=3, label=run["name"])
+    ax.set(xlabel="synchronisation round", ylabel="basis overlap (1 = unchanged)", title="basis overlap")
+    ax.legend(fontsize=6)
+    return [("basis_overlap.png", fig)]
 
+
+def _plot_feedback(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     with_feedback = [run for run in runs if any("error_feedback_norm" in r for r in run["metrics"])]
-    if with_feedback:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run in with_feedback:
-            rows = [r for r in run["metrics"] if "error_feedback_norm" in r]
-            ax.plot([r["step"] for r in rows], [r["error_feedback_norm"] for r in rows], marker="o", ms=2, label=run["name"])
-        ax.set(xlabel="step", ylabel="mean ‖E‖ / ‖W‖ of the low-rank matrices (worker 0)", yscale="log",
-               title="error feedback at each synchronisation")
-        ax.legend(fontsize=6)
-        written.append(_save(fig, folder / "error_feedback.png"))
+    if not with_feedback:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in with_feedback:
+        rows = [r for r in run["metrics"] if "error_feedback_norm" in r]
+        ax.plot([r["step"] for r in rows], [r["error_feedback_norm"] for r in rows], marker="o", ms=2, label=run["name"])
+    ax.set(xlabel="step", ylabel="mean ‖E‖ / ‖W‖ of the low-rank matrices (worker 0)", yscale="log",
+           title="error feedback at each synchronisation")
+    ax.legend(fontsize=6)
+    return [("error_feedback.png", fig)]
 
+
+def _plot_swept(plt: Any, runs: list[dict[str, Any]]) -> Figures:
+    """Final validation perplexity against each numeric key the runs vary over (see ``swept_numbers``)."""
+    out = []
     for key, series in swept_numbers(runs).items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, points in series.items():
@@ -206,8 +223,11 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
             ax.set_xticks(xs, [f"{x:g}" for x in xs])
             ax.minorticks_off()  # only the swept values are labelled
         ax.legend(fontsize=7)
-        written.append(_save(fig, folder / f"val_ppl_vs_{short}.png"))
+        out.append((f"val_ppl_vs_{short}.png", fig))
+    return out
 
+
+def _plot_memory(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     categories = sorted({c for run in runs for c in run["summary"]["optimizer_state_bytes"]})
     bottoms = [0.0] * len(runs)
@@ -219,8 +239,7 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
     ax.set(ylabel="MiB per worker", title="optimizer state by category")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    written.append(_save(fig, folder / "optimizer_memory.png"))
-    return written
+    return [("optimizer_memory.png", fig)]
 
 
 def swept_numbers(runs: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float, float]]]]:
