@@ -323,31 +323,11 @@ def distributed(
     synchronous inside, gradients averaged every step; LoRDO between workers). With 2 nodes × 8 GPUs,
     ``ranks_per_worker=8`` makes 2 workers.
     """
-    models: list[nn.Module] = [model] if isinstance(model, nn.Module) else list(model)
-    if not models or not all(isinstance(m, nn.Module) for m in models):
-        raise ConfigError("model must be an nn.Module, or a non-empty list of replicas for the simulator")
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    tree: dict[str, dict[str, Any]] = {"optim": {"lr": lr or 0.0}, "strategy": {"name": strategy},
-                                       "dist": {"timeout_s": timeout_s, "ranks_per_worker": ranks_per_worker}}
-    for key, value in options.items():
-        if key in _STRATEGY_KEYS:
-            tree["strategy"][key] = value
-        elif key in _OPTIM_KEYS:
-            tree["optim"][key] = value
-        else:
-            raise ConfigError(
-                f"unknown option {key!r}; options are strategy keys ({', '.join(sorted(_STRATEGY_KEYS))}) "
-                f"or optim keys ({', '.join(sorted(_OPTIM_KEYS - {'lr'}))})"
-            )
+    models = _replicas(model)
+    tree = _option_tree(strategy, lr, timeout_s, ranks_per_worker, options)
     if not isinstance(backend, Communicator) and backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
-    first = next(models[0].parameters(), None)
-    if first is None:
-        raise ConfigError("the model has no parameters")
-    device = first.device.type
-    if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
-        raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
+    device = next(models[0].parameters()).device.type
     given = isinstance(backend, Communicator)
     sharded = bool(sharded_names(models))
     if sharded and backend in ("sim", "torchft"):
@@ -370,6 +350,38 @@ def distributed(
         if not given:
             comm.close(clean=False)
         raise
+
+
+def _replicas(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
+    models: list[nn.Module] = [model] if isinstance(model, nn.Module) else list(model)
+    if not models or not all(isinstance(m, nn.Module) for m in models):
+        raise ConfigError("model must be an nn.Module, or a non-empty list of replicas for the simulator")
+    if next(models[0].parameters(), None) is None:
+        raise ConfigError("the model has no parameters")
+    return models
+
+
+def _option_tree(strategy: str, lr: float | None, timeout_s: float, ranks_per_worker: int,
+                 options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``distributed``'s arguments as a config tree (``build_config`` validates the values), each option put
+    under ``strategy`` or ``optim``; unknown names and strategies refused here."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
+        raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
+    tree: dict[str, dict[str, Any]] = {"optim": {"lr": lr or 0.0}, "strategy": {"name": strategy},
+                                       "dist": {"timeout_s": timeout_s, "ranks_per_worker": ranks_per_worker}}
+    for key, value in options.items():
+        if key in _STRATEGY_KEYS:
+            tree["strategy"][key] = value
+        elif key in _OPTIM_KEYS:
+            tree["optim"][key] = value
+        else:
+            raise ConfigError(
+                f"unknown option {key!r}; options are strategy keys ({', '.join(sorted(_STRATEGY_KEYS))}) "
+                f"or optim keys ({', '.join(sorted(_OPTIM_KEYS - {'lr'}))})"
+            )
+    return tree
 
 
 def reshard(model: nn.Module) -> None:
