@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import lordo.optim.optimizer as optimizer_module
 from lordo.optim import (
     LowRankQHAdam,
     back_project,
@@ -234,8 +235,10 @@ def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit():
         assert torch.equal(a, b)
     state = opt.state_dict()["state"][0]
     assert set(state) == {"step", "basis", "exp_avg", "exp_avg_sq", "error_feedback", "error_feedback_deferred",
-                          "error_feedback_inside"}  # the default full-rank term reads G + E: proj(E) kept beside it
+                          "error_feedback_inside",  # the default full-rank term reads G + E: proj(E) kept beside it
+                          "error_feedback_scale"}  # and E ← ω·E shrinks the buffer's factor, not the buffer
     assert state["error_feedback_deferred"] is True  # the buffer holds the running sum (see project_gradients)
+    assert state["error_feedback_scale"] == pytest.approx(0.9**6)  # ω once per step, the basis never changed
 
 
 def test_state_bytes_by_category():
@@ -325,6 +328,18 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape, qh_source, a
     """Seven steps with ω = 0.9, error feedback and weight decay against the formulas, term by term; the basis
     changes before step 5. Covers the deferred error feedback (steps 2-4 and 6-7), both inputs of the
     full-rank term (G; A = G + E) and removing from E what that term applied."""
+    _seven_steps_against_the_spec(shape, qh_source, after_qh)
+
+
+@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
+def test_a_deferred_buffers_factor_folded_in_early_changes_nothing(shape, monkeypatch):
+    """E ← ω·E shrinks a deferred buffer's factor and multiplies it in once below FOLD_BELOW (every ~66 steps
+    at ω = 0.9); with the threshold raised to 0.75 it is multiplied in every third step, still the spec."""
+    monkeypatch.setattr(optimizer_module, "FOLD_BELOW", 0.75)
+    _seven_steps_against_the_spec(shape, "grad+error", "remove")
+
+
+def _seven_steps_against_the_spec(shape, qh_source, after_qh):
     torch.manual_seed(3)
     r, options = 3, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source=qh_source)
     w = torch.nn.Parameter(torch.randn(shape))
@@ -580,6 +595,30 @@ def test_a_loaded_state_keeps_how_this_optimizer_runs_and_what_it_computes_from_
     opt = LowRankQHAdam([w], rank=2, batched=True)
     opt.load_state_dict(saved)
     assert (opt.param_groups[0]["batched"], opt.param_groups[0]["compile"]) == (True, False)
+
+
+@pytest.mark.parametrize("first, then", [("per-matrix", "batched"), ("batched", "per-matrix")])
+def test_a_run_that_changes_path_midway_stays_on_the_spec(first, then):
+    """The per-matrix path keeps a deferred buffer's factor apart (E = factor·buffer), the batched path scales E
+    itself: a run switching paths after four steps (a checkpoint loaded on another machine, or ``batched``
+    changed by hand) must carry E over intact, either way."""
+    torch.manual_seed(6)
+    r, options = 2, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source="grad+error")
+    w = torch.nn.Parameter(torch.randn(9, 5))
+    opt = LowRankQHAdam([{"params": [w], "rank": r}], weight_decay=0.1, error_feedback_after_qh="remove",
+                        batched=first == "batched", **options)
+    q = _orthonormal(5, r)
+    opt.set_basis(w, q)
+    spec = _SpecInFloat64(w, q, wd=0.1, after_qh="remove", **options)
+    for t in range(1, 8):
+        if t == 5:
+            opt.param_groups[0]["batched"] = then == "batched"
+        G = torch.randn(9, 5, dtype=torch.float64)
+        w.grad = G.float()
+        opt.step()
+        spec.step(G)
+        torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
 
 
 def test_state_dtypes_survive_load_state_dict():

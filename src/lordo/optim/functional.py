@@ -68,12 +68,14 @@ def lowrank_qh_adam_update_many(
     weight_decay: float,
     omega: float,
     qh_lowranks: list[torch.Tensor | None] | None = None,
+    qh_scales: list[float] | None = None,
     lowrank_scale: float = 1.0,
     moment_numels: list[int] | None = None,
     sum_totals: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> None:
     """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_scale``: GaLore's ``scale``, a factor on
-    the low-rank update ω·back(û/D) only): the moment math on the small low-rank tensors runs
+    the low-rank update ω·back(û/D) only; ``qh_scales``: a factor per matrix on its full-size QH input, which
+    holds A/factor): the moment math on the small low-rank tensors runs
     as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass.
 
     For shards of matrices (optim/sharded.py) mean(D) is over the whole matrix: ``moment_numels`` gives each
@@ -102,8 +104,9 @@ def lowrank_qh_adam_update_many(
     numels = moment_numels if moment_numels is not None else [d.numel() for d in denoms]
     decay = 1 - lr * weight_decay
     lows = qh_lowranks if qh_lowranks is not None else [None] * len(params)
-    for weight, qh_grad, low, basis, side, step, root, ratio, numel, total in zip(
-            params, qh_grads, lows, bases, sides, steps, roots, ratios, numels, totals, strict=True):
+    factors = qh_scales if qh_scales is not None else [1.0] * len(params)
+    for weight, qh_grad, low, factor, basis, side, step, root, ratio, numel, total in zip(
+            params, qh_grads, lows, factors, bases, sides, steps, roots, ratios, numels, totals, strict=True):
         # a bf16/fp16 matrix is updated in float32 (the moments' precision) and rounded once
         param = weight if weight.dtype == ratio.dtype else weight.to(ratio.dtype)
         with_qh = qh and qh_grad is not None
@@ -125,7 +128,7 @@ def lowrank_qh_adam_update_many(
         if with_qh:
             assert qh_grad is not None and total is not None
             param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
-                           total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa)
+                           total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa * factor)
         if param is not weight:
             weight.copy_(param)
 

@@ -32,16 +32,16 @@ def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis:
     return g
 
 
-def remove_projection(a: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
-    """A ← A − back(proj(A)) in place, keeping what lies outside the basis's subspace; returns proj(A).
+def remove_projection(a: torch.Tensor, basis: torch.Tensor, side: str, scale: float = 1.0) -> torch.Tensor:
+    """A ← scale·(A − back(proj(A))) in place, keeping what lies outside the basis's subspace; returns proj(A).
 
-    Two GEMMs; the back-projection is fused into the update (no full-size temporary)."""
+    Two GEMMs; the back-projection and the scale are fused into the update (no full-size temporary)."""
     basis = basis if basis.dtype == a.dtype else basis.to(a.dtype)
     g = project(a, basis, side)
     if side == RIGHT:
-        a.addmm_(g, basis.T, alpha=-1)
+        a.addmm_(g, basis.T, beta=scale, alpha=-scale)
     else:
-        a.addmm_(basis, g, alpha=-1)
+        a.addmm_(basis, g, beta=scale, alpha=-scale)
     return g
 
 

@@ -17,7 +17,7 @@ import torch
 from .functional import lowrank_qh_adam_update_many, qh_adam_update_many
 from .lowrank import project, project_with_feedback, remove_projection, rotate_moments
 from .sharded import check_sharding, gather, is_sharded, local, sum_over_shards
-from .stacked import DEFERRED, INSIDE, MatrixStack
+from .stacked import DEFERRED, INSIDE, SCALE, MatrixStack
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 QH_SOURCES = ("grad", "grad+error")
@@ -29,6 +29,7 @@ GALORE_PROJ_TYPES = ("std",)
 
 
 EXECUTION = ("batched", "compile")  # group options that choose how the step runs, not what it computes
+FOLD_BELOW = 2.0**-10  # a deferred buffer's factor (SCALE) is multiplied in once it falls below this
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,24 @@ def _check_galore_keys(group: dict) -> None:
     if proj_type not in GALORE_PROJ_TYPES:
         raise ValueError(f"proj_type {proj_type!r} is not supported: LowRankQHAdam compresses the smaller side of each "
                          f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
+
+
+def _shrink_error_feedback(states: list[dict], omega: float) -> None:
+    """E ← ω·E (the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest); a
+    deferred buffer's factor shrinks instead of the buffer (see LowRankQHAdam's deferred error feedback)."""
+    buffers = [s[INSIDE] for s in states if INSIDE in s]  # low-rank, cheap
+    for s in states:
+        if "error_feedback" not in s:
+            continue
+        if not s.get(DEFERRED):
+            buffers.append(s["error_feedback"])
+        elif (scale := s.get(SCALE, 1.0) * omega) < FOLD_BELOW:
+            s["error_feedback"].mul_(scale)
+            s.pop(SCALE, None)
+        else:
+            s[SCALE] = scale
+    if buffers:
+        torch._foreach_mul_(buffers, omega)
 
 
 def _runs_within(run: slice, stack: MatrixStack, wanted: set[int]) -> list[slice]:
@@ -97,7 +116,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
     term; with it the term applies (1 − ω)·E of the error feedback every step, which ``keep`` leaves in E
     too (E then sums every dropped gradient while a basis stays and can grow without bound) and ``remove``
     takes out. ``error_feedback_dtype``: dtype of E (default: the parameter's); bfloat16 halves it, while
-    A is still formed in the parameter's precision. State is tensors and bool flags only, so ``state_dict()``
+    A is still formed in the parameter's precision. State is tensors, bool flags and floats only, so ``state_dict()``
     loads with ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups``.
 
     ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
@@ -397,10 +416,16 @@ class LowRankQHAdam(torch.optim.Optimizer):
         return out  # type: ignore[return-value]
 
     def _project_each(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        deferred = [p for p in params if self.state[p].get(DEFERRED)]
-        if deferred:
+        by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for p in params:
+            state = self.state[p]
+            if state.get(DEFERRED):
+                buffers, grads = by_scale.setdefault(state.get(SCALE, 1.0), ([], []))
+                buffers.append(state["error_feedback"])
+                grads.append(_grad(p))
+        for scale, (buffers, grads) in by_scale.items():
             # E has no component in the basis's subspace: proj(G + E) = proj(G); E accumulates G (see below)
-            torch._foreach_add_([self.state[p]["error_feedback"] for p in deferred], [_grad(p) for p in deferred])
+            torch._foreach_add_(buffers, grads, alpha=1 / scale)
         out = []
         for p in params:
             state, grad, side = self.state[p], _grad(p), side_of(p.shape)
@@ -429,18 +454,23 @@ class LowRankQHAdam(torch.optim.Optimizer):
     # needs A = G + E_before = S − back(c_before) every step; c = proj(S) is kept alongside (low-rank, updated
     # with each projected gradient), so A is never formed: back(c) joins the low-rank update's GEMM. Used for
     # buffers at the gradient's precision only (a bf16 running sum would drown the small outside part in the
-    # large inside one).
+    # large inside one). With error_feedback_after_qh "remove", E ← ω·E after every step would be one more
+    # full-size pass: a deferred buffer instead holds S/SCALE and the factor SCALE (a float in the state) is
+    # what shrinks; gradients are added as G/SCALE and the factor is multiplied in when the projection is
+    # removed (the same GEMM) or once it falls below FOLD_BELOW.
 
     def _settle(self, p: torch.Tensor) -> None:
         state = self.state[p]
         state.pop(INSIDE, None)
+        scale = state.pop(SCALE, 1.0)
         if state.pop(DEFERRED, False):
-            remove_projection(state["error_feedback"], state["basis"], side_of(p.shape))
+            remove_projection(state["error_feedback"], state["basis"], side_of(p.shape), scale)
 
     @torch.no_grad()
     def forget_error_feedback(self) -> None:
         """Zero every error-feedback buffer (a worker that takes over another's state starts with nothing owed)."""
         for state in self.state.values():
+            state.pop(SCALE, None)
             for key in ("error_feedback", INSIDE):
                 if key in state:
                     state[key].zero_()
@@ -454,7 +484,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         if error is None or not state.get(DEFERRED):
             return error
         error = error.clone()
-        remove_projection(error, state["basis"], side_of(p.shape))
+        remove_projection(error, state["basis"], side_of(p.shape), state.get(SCALE, 1.0))
         return error
 
     @torch.no_grad()
@@ -473,7 +503,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             ps = [params[i] for i in index]
             gs_group = [gs[i] for i in index]
             states = [self.state[p] for p in ps]
-            qh, lows = self._qh_inputs(group, ps, states, gs_group)
+            qh, lows, qh_scales = self._qh_inputs(group, ps, states, gs_group)
             b1, b2 = group["betas"]
             sharded = any(is_sharded(p) for p in ps)
             numels = [p.shape[0 if side_of(p.shape) == "right" else 1] * group["rank"] for p in ps] if sharded else None
@@ -481,36 +511,37 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 [local(p) for p in ps], gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
                 lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                omega=group["omega"], qh_lowranks=lows, lowrank_scale=group["scale"], moment_numels=numels,
+                omega=group["omega"], qh_lowranks=lows, qh_scales=qh_scales, lowrank_scale=group["scale"],
+                moment_numels=numels,
                 sum_totals=functools.partial(sum_over_shards, ps) if sharded else None,
             )
             if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":
-                # the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest
-                buffers = [s[key] for s in states for key in ("error_feedback", INSIDE) if key in s]
-                if buffers:
-                    torch._foreach_mul_(buffers, group["omega"])
+                _shrink_error_feedback(states, group["omega"])
 
     def _qh_inputs(self, group: dict, ps: list[torch.Tensor], states: list[dict],
-                   gs: list[torch.Tensor]) -> tuple[list, list | None]:
-        """The full-rank term's input per matrix as (full-size part, low-rank part): A = full − back(low)."""
+                   gs: list[torch.Tensor]) -> tuple[list, list | None, list[float] | None]:
+        """The full-rank term's input per matrix as (full-size part, low-rank part, factor on the full-size
+        part): A = factor·full − back(low)."""
         if group["omega"] == 1:
-            return [None] * len(ps), None
+            return [None] * len(ps), None, None
         if group["qh_source"] == "grad":
-            return [_grad(p) for p in ps], None
+            return [_grad(p) for p in ps], None, None
         full: list[torch.Tensor | None] = []
         lows: list[torch.Tensor | None] = []
+        factors: list[float] = []
         for p, state, g in zip(ps, states, gs):
             error = state.get("error_feedback")
             if error is None:  # error feedback off: A = G
                 full.append(_grad(p))
                 lows.append(None)
-            elif INSIDE in state:  # deferred: A = S − back(c − g), S the running sum after this step
+            elif INSIDE in state:  # deferred: A = S − back(c − g), S = SCALE·buffer the running sum after this step
                 full.append(error)
                 lows.append(state[INSIDE] - g)
             else:  # A = G + E_before = E_after + back(g)
                 full.append(error)
                 lows.append(-g)
-        return full, lows
+            factors.append(state.get(SCALE, 1.0) if INSIDE in state else 1.0)
+        return full, lows, factors
 
     @torch.no_grad()
     def apply_full_rank(self, params: list[torch.Tensor]) -> None:

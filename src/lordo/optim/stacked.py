@@ -36,6 +36,7 @@ from .subspace import RIGHT, grad_of, side_of
 
 DEFERRED = "error_feedback_deferred"  # state flag (a bool): E is a running sum S, see LowRankQHAdam
 INSIDE = "error_feedback_inside"  # with a deferred buffer S and qh_source grad+error: proj(S), low-rank
+SCALE = "error_feedback_scale"  # a float, per-matrix path only: a deferred buffer holds S/SCALE (see LowRankQHAdam)
 STACKED_STATE = ("step", "basis", "exp_avg", "exp_avg_sq", "error_feedback")
 
 
@@ -46,6 +47,9 @@ class MatrixStack:
         self.params, self.states = list(params), list(states)
         self.side = side_of(self.params[0].shape)
         self._grad: tuple[slice, torch.Tensor] | None = None  # this step's stacked gradients, see project
+        for s in self.states:  # the per-matrix path's factor: folded in, the stack scales E itself
+            if SCALE in s:
+                s["error_feedback"].mul_(s.pop(SCALE))
         self.tensors = {key: torch.stack([s[key] for s in self.states]) for key in STACKED_STATE if key in self.states[0]}
         low_shape = self.tensors["exp_avg"].shape
         self.inside = torch.zeros(low_shape, dtype=self.params[0].dtype, device=self.params[0].device)
