@@ -220,23 +220,24 @@ def _peer_optimizers(replica: Replica, r: int, skipped: dict[str, str]) -> dict[
     """The GaLore packages (the ``bench`` extra) at rank ``r``, their projector computed once in the warm-up."""
     out: dict[str, torch.optim.Optimizer] = {}
     huge_gap = 10**9  # the projector is computed at the first step (warm-up) and never again while timing
+
+    def groups(projection_key: str) -> list[dict[str, Any]]:
+        _, ms, os_ = replica()
+        return [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, projection_key: "std"},
+                {"params": os_}]
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from galore_torch import GaLoreAdamW
-        _, ms, os_ = replica()
-        out["galore-torch GaLoreAdamW"] = GaLoreAdamW(
-            [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "proj_type": "std"},
-             {"params": os_}], lr=1e-3, weight_decay=0.1, no_deprecation_warning=True)
+        out["galore-torch GaLoreAdamW"] = GaLoreAdamW(groups("proj_type"), lr=1e-3, weight_decay=0.1,
+                                                      no_deprecation_warning=True)
     except Exception as exc:  # ImportError, or its transformers / bitsandbytes imports failing
         skipped["galore-torch GaLoreAdamW"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
     try:
         from pytorch_optimizer import GaLore
 
-        _, ms, os_ = replica()
-        out["pytorch-optimizer GaLore"] = GaLore(
-            [{"params": ms, "rank": r, "update_proj_gap": huge_gap, "scale": 1.0, "projection_type": "std"},
-             {"params": os_}], lr=1e-3, weight_decay=0.1)
+        out["pytorch-optimizer GaLore"] = GaLore(groups("projection_type"), lr=1e-3, weight_decay=0.1)
     except Exception as exc:
         skipped["pytorch-optimizer GaLore"] = f"not importable ({type(exc).__name__}: {exc}); pip install 'lordo[bench]'"
     return out

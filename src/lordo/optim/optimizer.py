@@ -531,16 +531,18 @@ class LowRankQHAdam(torch.optim.Optimizer):
         factors: list[float] = []
         for p, state, g in zip(ps, states, gs):
             error = state.get("error_feedback")
+            factor = 1.0
             if error is None:  # error feedback off: A = G
                 full.append(_grad(p))
                 lows.append(None)
             elif INSIDE in state:  # deferred: A = S − back(c − g), S = SCALE·buffer the running sum after this step
                 full.append(error)
                 lows.append(state[INSIDE] - g)
+                factor = state.get(SCALE, 1.0)
             else:  # A = G + E_before = E_after + back(g)
                 full.append(error)
                 lows.append(-g)
-            factors.append(state.get(SCALE, 1.0) if INSIDE in state else 1.0)
+            factors.append(factor)
         return full, lows, factors
 
     @torch.no_grad()
