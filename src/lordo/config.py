@@ -204,6 +204,10 @@ class StrategyConfig(_Section):
                    "lowrank-ddp (projected gradients all-reduced every step)", _choice(*STRATEGY_NAMES))
     sync_every: int = _f(32, "K: local steps between synchronisations (lowrank-ddp: steps between basis refreshes)",
                          _positive)
+    sync_delay: int = _f(0, "tau: local steps a synchronisation runs behind before it lands, 0 <= tau <= sync_every "
+                         "(0 = every worker waits for it; > 0: the next steps train meanwhile and the round is merged "
+                         "with them, docs/concepts.md); local-update strategies, one process per worker",
+                         _non_negative)
     outer_lr: float = _f(1.0, "outer step size on the averaged pseudo-gradient (1 = model averaging)", _positive)
     outer_momentum: float = _f(0.0, "outer SGD momentum (0 = none; DiLoCo uses 0.9 with outer_lr 0.7)", _unit_open)
     outer_nesterov: bool = _f(True, "Nesterov form of the outer momentum (when outer_momentum > 0)")
@@ -270,6 +274,9 @@ class DistConfig(_Section):
 class CommConfig(_Section):
     _name = "comm"
     latency_s: float = _f(1e-4, "per-collective latency of the modelled network", _non_negative)
+    medium: str = _f("switched", "the modelled network: switched (each worker has a link of the bandwidth to itself, "
+                     "as in a cluster) or shared (one medium of the bandwidth for all workers together, as one site's "
+                     "uplink or lordo bench link's throttled namespace)", _choice("switched", "shared"))
     bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) between workers at which the wall-clock is modelled")
     intra_bandwidth_gbit: float = _f(100.0, "bandwidth (Gbit/s) of the link inside a worker (dist.ranks_per_worker > 1)",
                                      _positive)
@@ -293,6 +300,14 @@ class Config:
         for section, cls in _section_types().items():
             if not isinstance(getattr(self, section), cls):
                 raise ConfigError(f"Config.{section} must be a {cls.__name__}, got {type(getattr(self, section)).__name__}")
+        if self.strategy.sync_delay and self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(
+                f"strategy.sync_delay applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
+                f"lordo-local; strategy {self.strategy.name!r} communicates every step (set strategy.sync_delay = 0)"
+            )
+        if self.strategy.sync_delay > self.strategy.sync_every:
+            raise ConfigError(f"strategy.sync_delay must be in [0, strategy.sync_every = {self.strategy.sync_every}], "
+                              f"got {self.strategy.sync_delay}")
         if self.strategy.compress != "none" and self.strategy.name in ("ddp", "lowrank-ddp"):
             raise ConfigError(
                 f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "

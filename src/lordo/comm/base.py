@@ -7,9 +7,11 @@ strategy code is identical on both: it loops over its hosted workers and calls t
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,9 +24,45 @@ def payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class RoundHandle:
+    """A synchronisation's exchange started without blocking (:meth:`Communicator.start_round`). ``wait``
+    returns its result once it has finished, re-raising what it raised; the seconds the caller waited go to
+    the ledger's ``wait_s``."""
+
+    def __init__(self, ledger: Ledger, fn: Callable[[], Any] | None = None, result: Any = None) -> None:
+        self.ledger, self.result = ledger, result
+        self.error: BaseException | None = None
+        self.thread = None
+        if fn is not None:
+            self.thread = threading.Thread(target=self._run, args=(fn,), name="lordo-round", daemon=True)
+            self.thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # handed to the training thread by wait()
+            self.error = exc
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+    def wait(self) -> Any:
+        if self.thread is not None:
+            t0 = time.perf_counter()
+            self.thread.join()
+            self.ledger.wait_s += time.perf_counter() - t0
+            self.thread = None
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class Communicator(ABC):
     world_size: int
     local_ranks: list[int]
+    background = False  # True on the view whose collectives run behind the training thread (start_round)
+    overlaps_rounds = True  # whether start_round may run behind the training thread here (False: refused)
 
     def __init__(self, world_size: int, local_ranks: list[int]) -> None:
         self.world_size = world_size
@@ -78,7 +116,8 @@ class Communicator(ABC):
         t0 = time.perf_counter()
         self._all_reduce_mean(per_worker)
         if accounted:
-            self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+            self.ledger.record("all_reduce", tag, payload_bytes(first), len(first), time.perf_counter() - t0,
+                               background=self.background)
 
     def broadcast(self, per_worker: TensorLists, tag: str, src: int = 0) -> None:
         """Replace each worker's tensors, in place, by worker ``src``'s."""
@@ -89,7 +128,8 @@ class Communicator(ABC):
         self._broadcast(per_worker, src)
         size = payload_bytes(first)
         self.ledger.record("broadcast", tag, size, len(first), time.perf_counter() - t0,
-                           wire=broadcast_children(self.ledger.rank, self.world_size, root=src) * size)
+                           wire=broadcast_children(self.ledger.rank, self.world_size, root=src) * size,
+                           background=self.background)
 
     def all_gather(self, per_worker: TensorLists, tag: str) -> list[list[list[torch.Tensor]]]:
         """Every worker's tensors, delivered to every worker: ``result[h][m]`` is worker m's list, for each
@@ -100,7 +140,8 @@ class Communicator(ABC):
             return [[list(tensors)] for tensors in per_worker]
         t0 = time.perf_counter()
         out = self._all_gather(per_worker)
-        self.ledger.record("all_gather", tag, payload_bytes(first), len(first), time.perf_counter() - t0)
+        self.ledger.record("all_gather", tag, payload_bytes(first), len(first), time.perf_counter() - t0,
+                               background=self.background)
         return out
 
     def all_to_all(self, per_worker: TensorLists, tag: str) -> list[list[torch.Tensor]]:
@@ -116,7 +157,7 @@ class Communicator(ABC):
         out = self._all_to_all(per_worker)
         size = payload_bytes(first[:1])
         self.ledger.record("all_to_all", tag, size * self.world_size, len(first), time.perf_counter() - t0,
-                           wire=size * (self.world_size - 1))
+                           wire=size * (self.world_size - 1), background=self.background)
         return out
 
     @abstractmethod
@@ -148,6 +189,18 @@ class Communicator(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def start_round(self, exchange: Callable[[Communicator], Any]) -> RoundHandle:
+        """Start a synchronisation's collectives without waiting for them: ``exchange(comm)`` makes them on
+        ``comm``, over buffers that nothing else touches until the handle's ``wait`` returns. Here (one process
+        hosts every worker) it runs at once; torch.distributed runs it in a thread on a process group of its
+        own, so the training thread's collectives and the exchange's never interleave. Its traffic is counted
+        as overlapped either way (the ledger's ``overlapped_*``), so the modelled wall-clock can hide it."""
+        self.background = True
+        try:
+            return RoundHandle(self.ledger, result=exchange(self))
+        finally:
+            self.background = False
 
     fault_tolerant = False  # True: rounds can fail and be run again (torchft)
 

@@ -44,6 +44,9 @@ def wire_bytes(kind: str, payload: int, world: int, rank: int = 0) -> int:
     raise ValueError(f"unknown collective {kind!r}")
 
 
+MEDIA = ("switched", "shared")
+
+
 @dataclass
 class Entry:
     calls: int = 0
@@ -59,15 +62,32 @@ class Ledger:
     world_size: int
     rank: int = 0
     entries: dict[str, Entry] = field(default_factory=dict)
-    comm_s: float = 0.0  # measured seconds inside collectives (loopback or in-process here)
+    comm_s: float = 0.0  # measured seconds inside collectives, wherever they ran
+    # the part of the traffic that ran behind the training thread (a synchronisation in flight, sync_delay > 0):
+    # its seconds, calls and wire bytes (included in the totals above), and what the training thread waited for it
+    overlapped_s: float = 0.0
+    overlapped_calls: int = 0
+    overlapped_wire: int = 0
+    wait_s: float = 0.0
 
-    def record(self, kind: str, tag: str, nbytes: int, ntensors: int, seconds: float = 0.0, wire: int | None = None) -> None:
+    def record(self, kind: str, tag: str, nbytes: int, ntensors: int, seconds: float = 0.0, wire: int | None = None,
+               background: bool = False) -> None:
         e = self.entries.setdefault(f"{kind}:{tag}", Entry())
+        sent = wire_bytes(kind, nbytes, self.world_size, self.rank) if wire is None else wire
         e.calls += 1
         e.bytes += nbytes
         e.tensors += ntensors
-        e.wire += wire_bytes(kind, nbytes, self.world_size, self.rank) if wire is None else wire
+        e.wire += sent
         self.comm_s += seconds
+        if background:
+            self.overlapped_s += seconds
+            self.overlapped_calls += 1
+            self.overlapped_wire += sent
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the training thread spent in collectives or waiting for a synchronisation in flight."""
+        return self.comm_s - self.overlapped_s + self.wait_s
 
     @property
     def total_bytes(self) -> int:
@@ -83,18 +103,37 @@ class Ledger:
     def total_calls(self) -> int:
         return sum(e.calls for e in self.entries.values())
 
-    def modeled_comm_s(self, bandwidth_bits_per_s: float, latency_s: float) -> float:
-        """Seconds the recorded collectives take on a link of this bandwidth: a latency per call plus the wire
-        bytes at the bandwidth (a worker sends and receives at once, so its sent bytes set the time)."""
+    def medium_bytes(self, key: str | None = None) -> int:
+        """Bytes all workers together put on the network for the entry ``key`` (None: all of them): M times
+        this worker's for the symmetric collectives, (M − 1) payloads for a broadcast (each receiver gets it once)."""
+        entries = self.entries.items() if key is None else [(key, self.entries[key])]
+        return sum((self.world_size - 1) * e.bytes if k.startswith("broadcast:") else self.world_size * e.wire
+                   for k, e in entries)
+
+    def modeled_comm_s(self, bandwidth_bits_per_s: float, latency_s: float, medium: str = "switched",
+                       split: bool = False) -> Any:
+        """Seconds the recorded collectives take on a network of this bandwidth: a latency per call plus the bytes
+        at the bandwidth. ``medium``: ``switched`` (each worker has a link of its own, as in a cluster: a worker
+        sends and receives at once, so its own sent bytes set the time) or ``shared`` (one medium for all, as a
+        site uplink or the throttled namespace of ``lordo bench link``: every worker's bytes cross it).
+        ``split``: (blocking, overlapped) seconds, the second for the traffic that ran behind the training."""
+        if medium not in MEDIA:
+            raise ValueError(f"medium must be one of {', '.join(MEDIA)}, got {medium!r}")
         if self.world_size <= 1:
-            return 0.0
-        return sum(e.calls * latency_s + e.wire * 8 / bandwidth_bits_per_s for e in self.entries.values())
+            return (0.0, 0.0) if split else 0.0
+        shared = medium == "shared"
+        sent = self.medium_bytes() if shared else self.total_wire_bytes
+        behind = self.overlapped_wire * (self.world_size if shared else 1)
+        total = self.total_calls * latency_s + sent * 8 / bandwidth_bits_per_s
+        overlapped = self.overlapped_calls * latency_s + behind * 8 / bandwidth_bits_per_s
+        return (total - overlapped, overlapped) if split else total
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
             "rank": self.rank,
             "comm_s": self.comm_s,
+            "overlapped": [self.overlapped_s, self.overlapped_calls, self.overlapped_wire, self.wait_s],
             "entries": {k: [e.calls, e.bytes, e.tensors, e.wire] for k, e in self.entries.items()},
         }
 
@@ -102,6 +141,8 @@ class Ledger:
         self.world_size = int(state["world_size"])
         self.rank = int(state.get("rank", self.rank))
         self.comm_s = float(state["comm_s"])
+        seconds, calls, wire, wait = state.get("overlapped", (0.0, 0, 0, 0.0))  # older ledgers: nothing overlapped
+        self.overlapped_s, self.overlapped_calls, self.overlapped_wire, self.wait_s = float(seconds), int(calls), int(wire), float(wait)
         self.entries = {}
         for key, values in state["entries"].items():
             calls, nbytes, tensors = map(int, values[:3])

@@ -7,16 +7,19 @@ Collectives are bucketed (one flat buffer per dtype) and have a timeout; a failu
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..errors import LordoError
 from ..optim.sharded import is_sharded
-from .base import Communicator, TensorLists, payload_bytes
+from .base import Communicator, RoundHandle, TensorLists, payload_bytes
 from .ledger import Ledger, broadcast_children
 
 
@@ -130,6 +133,22 @@ class TorchDistCommunicator(Communicator):
         self.backend = backend
         self.rank = rank
         self.ops = GroupOps(None, list(range(world)), self._run)
+        self._side: TorchDistCommunicator | None = None  # the view start_round's exchanges run on
+        self._round: RoundHandle | None = None
+
+    def start_round(self, exchange: Callable[[Communicator], Any]) -> RoundHandle:
+        """The exchange in a thread, on a process group of its own (made at the first call: every process
+        reaches it at the same step), over this communicator's ledger, counted as overlapped."""
+        if self._round is not None and not self._round.done:
+            raise RuntimeError("a synchronisation is already in flight; wait for it before starting another")
+        if self._side is None:
+            group = dist.new_group(list(range(self.world_size)), timeout=self.timeout)
+            side = copy.copy(self)
+            side.ops, side.background = GroupOps(group, self.ops.ranks, self._run), True
+            self._side = side
+        side = self._side
+        self._round = RoundHandle(self.ledger, lambda: exchange(side))
+        return self._round
 
     @property
     def is_node_main(self) -> bool:
@@ -205,6 +224,11 @@ class TorchDistCommunicator(Communicator):
         (an error is on its way out) skips both waits: a peer may be dead."""
         if not (self.owns_group and dist.is_initialized()):
             return
+        if clean and self._round is not None:  # a round still in flight finishes first (its peers are in it too)
+            try:
+                self._round.wait()
+            except Exception:
+                clean = False
         if clean:
             try:
                 dist.barrier()
@@ -242,6 +266,8 @@ class WorkerGroupCommunicator(Communicator):
     same position in each worker (rank m of every worker), each on its own shards, and nothing is broadcast
     inside; gradients arrive averaged over the worker by FSDP2 itself. ``ledger`` counts this rank's share of
     the slow link (a worker sends the sum over its ranks)."""
+
+    overlaps_rounds = False  # a round's exchange would need side groups inside and between workers: not built
 
     def __init__(self, base: TorchDistCommunicator, ranks_per_worker: int, sharded: bool = False) -> None:
         world, rank, r = base.world_size, base.rank, ranks_per_worker

@@ -86,6 +86,13 @@ class BasisPolicy:
         """Change the bases after the average; returns the overlaps (:func:`change_bases`)."""
         raise NotImplementedError
 
+    def take_round_input(self) -> list[list[torch.Tensor]] | None:
+        """What ``at_sync`` will read, handed over to a synchronisation in flight (``sync_delay``)."""
+        return None
+
+    def give_round_input(self, value: list[list[torch.Tensor]] | None) -> None:
+        """Put back, when a synchronisation in flight lands, what :meth:`take_round_input` handed over."""
+
 
 class GlobalBasis(BasisPolicy):
     name = "global"
@@ -109,6 +116,13 @@ class LocalBasis(BasisPolicy):
     def before_step(self, step, sync_every, lowrank, optimizers, comm) -> None:
         if (step + 1) % sync_every == 0:  # this step ends with a sync: keep each worker's own gradient
             self._captured = _own_gradients(lowrank)
+
+    def take_round_input(self) -> list[list[torch.Tensor]] | None:
+        captured, self._captured = self._captured, None
+        return captured
+
+    def give_round_input(self, value: list[list[torch.Tensor]] | None) -> None:
+        self._captured = value
 
     def at_sync(self, delta, lowrank, optimizers) -> list[float]:
         captured, self._captured = self._captured, None

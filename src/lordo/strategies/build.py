@@ -107,7 +107,7 @@ def _local_options(cfg: Config, default_average: str) -> dict:
     return dict(
         sync_every=s.sync_every, outer_optimizer=outer_optimizer(s), compress=s.compress,
         compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip, sync_buffers=s.sync_buffers,
-        offload_anchor=s.offload_anchor,
+        offload_anchor=s.offload_anchor, sync_delay=s.sync_delay,
         average_moments=default_average if s.average_moments == "auto" else s.average_moments,
         moment_periods={"exp_avg": s.sync_exp_avg_every, "exp_avg_sq": s.sync_exp_avg_sq_every},
     )

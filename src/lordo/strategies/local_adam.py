@@ -5,7 +5,8 @@ At a synchronisation every worker sends its pseudo-gradient Δ_m = θ_anchor −
 ``torch.optim`` optimizer steps it: SGD at lr 1 is plain model averaging (θ_new = θ_anchor − Δ), SGD with
 Nesterov momentum is DiLoCo. Every worker then restarts from θ_new. Optimizer moments can be averaged too,
 at every sync or with periods of their own (DES-LOC). Payloads travel through a codec (``comm.codec``:
-fp32, bf16, int8), with error feedback of what a lossy codec dropped.
+fp32, bf16, int8), with error feedback of what a lossy codec dropped. With ``sync_delay`` = τ > 0 a
+synchronisation runs behind the next τ local steps and lands merged with them (``delayed.py``).
 
 ``local-adam`` is this class with AdamW as the inner optimizer; LoRDO's strategies (``lordo.py``) extend it.
 """
@@ -23,6 +24,7 @@ from ..comm.codec import COMPRESSIONS, BlockCodec, average, padded_numel, shard_
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
 from .base import Strategy, check_number, tensor_bytes
+from .delayed import RoundInFlight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 AVERAGED = ("none", "lowrank", "all")
@@ -43,7 +45,9 @@ class LocalUpdateStrategy(Strategy):
     between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 | int4 payloads, with
     ``compression_feedback`` keeping what compressing the pseudo-gradient lost for the next round.
     ``offload_anchor``: keep the anchor in host memory (pinned when a GPU is present), copied to the device one
-    tensor at a time at each synchronisation: the device holds no full-size copy of the model for it."""
+    tensor at a time at each synchronisation: the device holds no full-size copy of the model for it.
+    ``sync_delay``: τ in [0, sync_every], the local steps a synchronisation runs behind before it lands
+    (0: it blocks every worker; ``delayed.py`` says how a late round is merged)."""
 
     name = "local-adam"
     recoverable = True
@@ -53,9 +57,13 @@ class LocalUpdateStrategy(Strategy):
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
                  compression_feedback: bool = True, grad_clip: float = 0.5, sync_buffers: bool = True,
-                 offload_anchor: bool = False) -> None:
+                 offload_anchor: bool = False, sync_delay: int = 0) -> None:
         super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
+        check_number("sync_delay", sync_delay, integer=True)
+        if sync_delay > sync_every:
+            raise ConfigError(f"sync_delay must be in [0, sync_every = {sync_every}] (a round lands before the next "
+                              f"one starts), got {sync_delay}")
         if average_moments not in AVERAGED:
             raise ConfigError(f"average_moments must be one of {', '.join(AVERAGED)}, got {average_moments!r}")
         if compress not in COMPRESSIONS:
@@ -72,7 +80,10 @@ class LocalUpdateStrategy(Strategy):
         if comm.fault_tolerant and compress in ("int8", "int4"):
             raise ConfigError(f"strategy.compress = {compress!r} gathers quantised shards; a fault-tolerant backend "
                               "(torchft) only averages: use none or bf16")
-        self.sync_every, self.average = sync_every, average_moments
+        if sync_delay:
+            self._check_delay(comm)
+        self.sync_every, self.average, self.sync_delay = sync_every, average_moments, sync_delay
+        self.in_flight: RoundInFlight | None = None
         self.codecs = sync_codecs(compress)
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
         # the outer optimizer with the averaged pseudo-gradient as its gradient
@@ -94,6 +105,18 @@ class LocalUpdateStrategy(Strategy):
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
 
+    def _check_delay(self, comm: Communicator) -> None:
+        if comm.fault_tolerant:
+            raise ConfigError("strategy.sync_delay > 0 runs a synchronisation behind the next steps; a fault-tolerant "
+                              "backend (torchft) runs each as a round that can fail and be retried: use sync_delay = 0")
+        if not comm.overlaps_rounds:
+            raise ConfigError("strategy.sync_delay > 0 needs one process per worker (backend gloo or nccl) or the "
+                              "simulator; workers made of several ranks (dist.ranks_per_worker > 1) synchronise "
+                              "blocking: use sync_delay = 0")
+        if any(self.moment_periods.values()):
+            raise ConfigError("strategy.sync_delay > 0 cannot be combined with sync_exp_avg_every / "
+                              "sync_exp_avg_sq_every (moments averaged between synchronisations): leave them at 0")
+
     def averaged_params(self, worker: int) -> list[torch.Tensor]:
         """Parameters whose optimizer moments are averaged."""
         return self.workers[worker].params if self.average == "all" else []
@@ -112,8 +135,14 @@ class LocalUpdateStrategy(Strategy):
         self.grads()  # raises if backward was not called
         stats = self.before_local_step()
         stats["grad_norm"] = self.clip_and_step()[0]
+        if self.in_flight is not None and self.steps_done - self.in_flight.sent_at >= self.sync_delay:
+            stats.update(self.land())
         if self.steps_done % self.sync_every == 0:
-            stats.update(self.comm.round("sync", self.sync_round, self, self.steps_done))
+            if self.sync_delay:
+                self.send()
+                stats["sync_started"] = 1.0
+            else:
+                stats.update(self.comm.round("sync", self.sync_round, self, self.steps_done))
         else:
             self.average_moments(False)
         return stats
@@ -128,14 +157,67 @@ class LocalUpdateStrategy(Strategy):
             return
         for key, period in self.moment_periods.items():
             if (self.steps_done % period == 0) if period else sync_due:
-                moments = [[local(w.optimizer.state[p][key]) for p in self.averaged_params(i)]  # shards, if sharded
-                           for i, w in enumerate(self.workers)]
+                moments = self._moments(key)
                 if moments[0]:
                     # compressed moments need no error feedback: they are running averages, not sums to deliver
                     average(self.comm, moments, key, self.codecs[key])
 
     def finish(self) -> dict[str, float]:
-        return self.comm.round("final", self.synchronise, self, self.steps_done) if self.steps_done % self.sync_every else {}
+        stats = self.land() if self.in_flight is not None else {}  # a round in flight lands now
+        if not self.in_sync:
+            stats.update(self.comm.round("final", self.synchronise, self, self.steps_done))
+        return stats
+
+    def round_input(self) -> Any:
+        """Hook: what ``after_average`` will need of this step's state, handed to a round in flight."""
+        return None
+
+    def restore_round_input(self, value: Any) -> None:  # noqa: B027 (nothing to restore unless round_input gives it)
+        """Hook: put back, at the landing, what :meth:`round_input` handed to the round."""
+
+    @torch.no_grad()
+    def send(self) -> None:
+        """Start a synchronisation without blocking (``sync_delay`` > 0): each worker's pseudo-gradient and
+        moments due, as they are now, averaged behind the next local steps (``delayed.py``)."""
+        own = [[a.to(t.device) - t for t, a in zip(w.tensors, self.anchor, strict=True)] for w in self.workers]
+        mean = [[d.clone() for d in mine] for mine in own]
+        moments = {}
+        for key in MOMENTS:
+            live = self._moments(key)
+            if live[0]:
+                moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
+        codecs, residuals = self.codecs, [w.residuals for w in self.workers]
+        shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
+
+        def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order
+            for key, (_, means) in moments.items():
+                average(comm, means, key, codecs[key])
+            average(comm, mean, "pseudo_gradient", codecs["pseudo_gradient"], residuals, shard_residuals)
+
+        self.in_flight = RoundInFlight(self.steps_done, own, mean, moments, self.round_input())
+        self.in_flight.handle = self.comm.start_round(exchange)
+
+    @torch.no_grad()
+    def land(self) -> dict[str, float]:
+        """Apply the round in flight, merged with the local steps taken since it started (``delayed.py``)."""
+        r, self.in_flight = self.in_flight, None
+        assert r is not None
+        r.wait()
+        delay = self.steps_done - r.sent_at
+        for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
+            beta = 0 if key == "exp_avg" else 1
+            for i, w in enumerate(self.workers):
+                betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
+                for p, at_send, m, live in zip(self.averaged_params(i), sent[i], means[i], self._moments(key)[i]):
+                    live.add_(m - at_send, alpha=betas[id(p)] ** delay)
+        self.restore_round_input(r.basis_input)
+        stats = self._apply_round(r.mean[0], r.own if delay else None)
+        stats["sync_delay_steps"] = float(delay)
+        return stats
+
+    def _moments(self, key: str) -> list[list[torch.Tensor]]:
+        """Each hosted worker's moments ``key`` of its averaged parameters (their shards, if sharded)."""
+        return [[local(w.optimizer.state[p][key]) for p in self.averaged_params(i)] for i, w in enumerate(self.workers)]
 
     def mirror_round(self, kind: str, resume_at: int) -> None:
         # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway
@@ -171,7 +253,13 @@ class LocalUpdateStrategy(Strategy):
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
                 shard_residuals)
-        delta = pseudo[0]
+        return self._apply_round(pseudo[0])
+
+    @torch.no_grad()
+    def _apply_round(self, delta: list[torch.Tensor], own: list[list[torch.Tensor]] | None = None) -> dict[str, float]:
+        """The averaged pseudo-gradient ``delta`` arrived: bases (``after_average``), outer step, new replicas.
+        ``own``: each worker's pseudo-gradient of a round that landed late; the workers then keep their local
+        steps since (θ_m += θ_new − θ_anchor + Δ_m) instead of restarting from θ_new."""
         finite = all(bool(torch.isfinite(d).all()) for d in delta)
         if getattr(self.comm, "sharded", False):  # each rank checked its own shards: all must take one branch
             finite = not self.comm.agree([not finite])[0]
@@ -183,16 +271,32 @@ class LocalUpdateStrategy(Strategy):
             )
         stats = {"synced": 1.0, "pseudo_grad_norm": self.total_norm(delta)}
         stats.update(self.after_average(delta))
+        if own is not None:
+            for w, mine in zip(self.workers, own, strict=True):
+                torch._foreach_add_(w.tensors, mine)
+                self._add_anchor(w, -1.0)
         for a, d in zip(self.anchor, delta, strict=True):
             a.grad = d if d.device == a.device else d.to(a.device)
         self.outer.step()
         for a in self.anchor:
             a.grad = None
-        self._restore_from_anchor()
+        if own is None:
+            self._restore_from_anchor()
+            self.synced_at = self.steps_done
+        else:
+            for w in self.workers:
+                self._add_anchor(w, 1.0)
         self.average_buffers()
         self.syncs += 1
-        self.synced_at = self.steps_done
         return stats
+
+    def _add_anchor(self, w, alpha: float) -> None:
+        """w's tensors += alpha · θ_anchor."""
+        if self.offload_anchor:
+            for t, a in zip(w.tensors, self.anchor):
+                t.add_(a.to(t.device, non_blocking=True), alpha=alpha)
+        else:
+            torch._foreach_add_(w.tensors, self.anchor, alpha=alpha)
 
     @torch.no_grad()
     def _restore_from_anchor(self) -> None:
@@ -204,8 +308,12 @@ class LocalUpdateStrategy(Strategy):
                 torch._foreach_copy_(w.tensors, self.anchor)
 
     def state_dict(self) -> dict[str, Any]:
+        if self.in_flight is not None:  # a round in flight is saved once it has arrived (its landing stays due)
+            self.in_flight.wait()
         state = super().state_dict()
-        for saved, w in zip(state["workers"], self.workers):
+        for h, (saved, w) in enumerate(zip(state["workers"], self.workers)):
+            if self.in_flight is not None:
+                saved["round_in_flight"] = self.in_flight.worker_state(h)
             if w.residuals:
                 saved["compression_error"] = [e.clone() for e in w.residuals]
             if w.shard_residual is not None:
@@ -219,6 +327,12 @@ class LocalUpdateStrategy(Strategy):
                 torch._foreach_copy_(w.residuals, list(saved["compression_error"]))
             if w.shard_residual is not None:
                 w.shard_residual.copy_(saved["shard_compression_error"])
+        sent_at = state["shared"].get("round_in_flight_sent_at", -1)
+        self.in_flight = None
+        if sent_at >= 0:
+            if not self.sync_delay:
+                raise ValueError("the state holds a synchronisation in flight, but this strategy has sync_delay = 0")
+            self.in_flight = RoundInFlight.from_state(int(sent_at), [w["round_in_flight"] for w in state["workers"]])
 
     def shared_state(self) -> dict[str, Any]:
         return {
@@ -227,6 +341,7 @@ class LocalUpdateStrategy(Strategy):
             "synced_at": self.synced_at,
             "anchor": [a.clone() for a in self.anchor],
             "outer_optimizer": self.outer.state_dict(),
+            "round_in_flight_sent_at": -1 if self.in_flight is None else self.in_flight.sent_at,
         }
 
     def load_shared_state(self, state: dict[str, Any]) -> None:
@@ -254,6 +369,9 @@ class LocalUpdateStrategy(Strategy):
         outer = tensor_bytes(t for s in self.outer.state.values() for t in s.values())
         if outer:
             out["outer_optimizer"] = outer
+        if self.sync_delay:  # held while a round is in flight: the pseudo-gradient sent and its mean, moments too
+            moments = [t for key in MOMENTS for t in self._moments(key)[0]] if self.average != "none" else []
+            out["round_in_flight"] = 2 * tensor_bytes(self.workers[0].tensors) + 2 * tensor_bytes(moments)
         if self.workers[0].residuals:
             out["compression_feedback"] = tensor_bytes([*self.workers[0].residuals, self.workers[0].shard_residual])
         return out

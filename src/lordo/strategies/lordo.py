@@ -110,6 +110,12 @@ class LoRDOStrategy(LocalUpdateStrategy):
         for opt in self.optimizers:
             opt.forget_error_feedback()
 
+    def round_input(self) -> Any:
+        return self.basis.take_round_input()  # lordo-local: each worker's own gradients of the sync step
+
+    def restore_round_input(self, value: Any) -> None:
+        self.basis.give_round_input(value)
+
     @torch.no_grad()
     def after_average(self, delta: list[torch.Tensor]) -> dict[str, float]:
         opt0, low0 = self.optimizer(0), self.lowrank(0)

@@ -299,6 +299,7 @@ RESUMABLE_CHANGES = {
     ("comm", "latency_s"),
     ("comm", "bandwidths_gbit"),
     ("comm", "intra_bandwidth_gbit"),
+    ("comm", "medium"),
     ("strategy", "offload_anchor"),
 }
 
@@ -317,6 +318,8 @@ ADDED_FIELDS = {
     ("data", "tokenizer"): "bpe",
     ("dist", "ranks_per_worker"): 1,
     ("strategy", "offload_anchor"): False,
+    ("strategy", "sync_delay"): 0,
+    ("comm", "medium"): "switched",
 }
 
 
