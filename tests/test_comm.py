@@ -43,6 +43,28 @@ def test_ledger_wall_clock_model_by_hand():
     assert Ledger(world_size=1).modeled_comm_s(bw, 1e-3) == 0.0
 
 
+def test_shared_medium_and_overlapped_traffic_in_the_model_by_hand():
+    """One medium for all four workers: every worker's ring traffic crosses it (4 × 1.5 MB per all-reduce), a
+    broadcast reaches each of the 3 others once; a call made behind the training is split out."""
+    ledger = Ledger(world_size=4)
+    ledger.record("all_reduce", "pseudo_gradient", 1_000_000, 1, seconds=0.5, background=True)
+    ledger.record("all_reduce", "g", 1_000_000, 1, seconds=0.25)
+    ledger.record("broadcast", "init", 500_000, 1)
+    ledger.wait_s = 0.125
+    bw = 1e9
+    assert ledger.medium_bytes() == 2 * 4 * 1_500_000 + 3 * 500_000
+    assert ledger.modeled_comm_s(bw, 1e-3, medium="shared") == pytest.approx(3e-3 + ledger.medium_bytes() * 8 / bw)
+    blocking, behind = ledger.modeled_comm_s(bw, 1e-3, medium="shared", split=True)
+    assert behind == pytest.approx(1e-3 + 4 * 1_500_000 * 8 / bw)
+    assert blocking + behind == pytest.approx(ledger.modeled_comm_s(bw, 1e-3, medium="shared"))
+    assert ledger.blocked_s == pytest.approx(0.25 + 0.125)  # what ran behind is not blocking; the wait is
+    restored = Ledger(world_size=4)
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.state_dict() == ledger.state_dict()
+    with pytest.raises(ValueError, match="medium must be one of switched, shared"):
+        ledger.modeled_comm_s(bw, 1e-3, medium="bus")
+
+
 def adamw_reference(steps, lr, wd, betas=(0.9, 0.999), eps=1e-8):
     """One worker, plain torch.optim.AdamW with the same parameter groups and clipping."""
     model = tiny_model()

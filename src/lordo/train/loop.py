@@ -278,6 +278,9 @@ class Trainer:
                 if evaluated:  # a collective on every process when the workers' average is scored
                     row.update({"step": step, "tokens": step * self.tokens_per_step, **self.evaluation()})
                 if row:
+                    # metrics.TIMING_FIELDS: seconds in training steps so far (loss against wall-clock), of which
+                    # the training thread waited for collectives
+                    row["train_s"], row["comm_blocked_s"] = self.state.train_s, self.comm.ledger.blocked_s
                     row["comm_bytes"] = self.comm.ledger.total_bytes
                     row["comm_wire_bytes"] = self.comm.ledger.total_wire_bytes
                     metrics.write(row)

@@ -11,6 +11,10 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError
 
+# the row fields that are measured times (seconds in training steps, of which waiting for collectives): the
+# only ones that differ between two runs of the same settings, a resumed one and its uninterrupted twin
+TIMING_FIELDS = ("train_s", "comm_blocked_s")
+
 
 def rewrite_metrics(path: Path, upto: int) -> None:
     """Keep the rows of steps <= ``upto`` (those written after the checkpoint are redone on resume)."""

@@ -8,10 +8,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..comm.ledger import Ledger
+from ..config import Config
 from .checkpoint import full_state
 
 if TYPE_CHECKING:
     from .loop import Trainer
+
+
+def modeled_wall_s(cfg: Config, ledger: Ledger, compute_s: float, bandwidth: float) -> float:
+    """Modelled wall-clock at ``bandwidth`` bit/s: the compute, the blocking collectives, and what the
+    synchronisations in flight (``sync_delay`` = τ) take beyond the τ steps of compute each one hides behind:
+    the rounds started at steps s ≤ steps − τ ran behind τ steps each (a later one lands early, at the end)."""
+    s, steps = cfg.strategy, cfg.train.steps
+    blocking, behind = ledger.modeled_comm_s(bandwidth, cfg.comm.latency_s, medium=cfg.comm.medium, split=True)
+    hidden = max(0, (steps - s.sync_delay) // s.sync_every) * s.sync_delay * compute_s / steps if s.sync_delay else 0.0
+    return compute_s + blocking + max(0.0, behind - hidden)
 
 
 def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, Any]:
@@ -23,7 +35,8 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
     intra = comm.intra_ledger  # a worker of several ranks: their traffic on the worker's own (fast) link
     intra_s = intra.modeled_comm_s(cfg.comm.intra_bandwidth_gbit * 1e9, cfg.comm.latency_s) if intra else 0.0
     measured_s = ledger.comm_s + (intra.comm_s if intra else 0.0)
-    compute_s = max(0.0, state.train_s - measured_s) / len(comm.local_ranks)  # per worker
+    blocked_s = ledger.blocked_s + (intra.comm_s if intra else 0.0)  # what the training thread waited for
+    compute_s = max(0.0, state.train_s - blocked_s) / len(comm.local_ranks)  # per worker
     summary = {
         "strategy": cfg.strategy.name,
         "model": cfg.model.preset,
@@ -52,10 +65,14 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "comm_payload_ratio_to_ddp": report["payload_ratio_to_ddp"],
         "compute_s_per_worker": compute_s,
         "measured_comm_s": measured_s,
+        "blocked_comm_s": blocked_s,
+        "overlapped_comm_s": ledger.overlapped_s,
+        "round_wait_s": ledger.wait_s,
+        "compute_utilisation": compute_s * len(comm.local_ranks) / state.train_s if state.train_s else float("nan"),
         "modeled_wall_s": {
-            f"{bw:g}gbit": compute_s + ledger.modeled_comm_s(bw * 1e9, cfg.comm.latency_s) + intra_s
-            for bw in cfg.comm.bandwidths_gbit
+            f"{bw:g}gbit": modeled_wall_s(cfg, ledger, compute_s, bw * 1e9) + intra_s for bw in cfg.comm.bandwidths_gbit
         },
+        "medium": cfg.comm.medium,
         "latency_s": cfg.comm.latency_s,
         "ranks_per_worker": cfg.dist.ranks_per_worker,
         "intra_worker_wire_bytes_total": intra.total_wire_bytes if intra else 0,
