@@ -1,3 +1,4 @@
+import inspect
 import os
 from pathlib import Path
 
@@ -24,3 +25,19 @@ def dataset(data_dir):
     from lordo.data import prepare
 
     return prepare.load(prepare.prepared_dir(data_dir, 4096, 0.05))
+
+
+# Tests that start processes (gloo groups, torchrun, `lordo train` and other CLI runs, throttled links) are the
+# slow tier: `pytest -m "not slow"` runs the rest in a fraction of the time; CI and `make test` run both.
+MULTI_PROCESS = ("run_gloo(", "subprocess.", "Popen(", "launch_local(", "torchrun", "run_cli(", "ThrottledLink(")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(function) if function is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        if any(marker in source for marker in MULTI_PROCESS):
+            item.add_marker(pytest.mark.slow)

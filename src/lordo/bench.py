@@ -546,7 +546,10 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--strategies", default=",".join(STRATEGIES))
     r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    for q in (s, b, w, m, r):
+    from .bench_link import add_parser as add_link
+
+    k = add_link(sub)
+    for q in (s, b, w, m, r, k):
         q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
         q.add_argument("--data-dir", default="data")
     return ap
@@ -563,6 +566,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device")
+    if args.what == "link":
+        from .bench_link import main as link_main
+
+        link_main(args, out, write_json, print_table)
+        return 0
     if args.what == "step":
         res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers,
                              compiled=args.compiled)

@@ -267,8 +267,10 @@ def make_parser() -> argparse.ArgumentParser:
 
     bn = sub.add_parser(
         "bench",
-        help="benchmarks (not tests): step, basis, runs; each prints ratios measured side by side and writes JSON",
-        description="lordo bench {step,basis,runs} [options]; lordo bench step --help for each one's options.",
+        help="benchmarks (not tests): step, basis, wire, memory, runs, link; each prints ratios measured side by side "
+             "and writes JSON",
+        description="lordo bench {step,basis,wire,memory,runs,link} [options]; lordo bench step --help for each one's "
+                    "options.",
         add_help=False,
     )
     bn.add_argument("rest", nargs=argparse.REMAINDER)
@@ -310,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         pass
     parser = make_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["-h"], ["--help"]):  # the bench's own parser lists its benchmarks
+        from .bench import make_parser as bench_parser
+
+        bench_parser().print_help()
+        return 0
     args = parser.parse_args(argv)
     args.argv = argv
     try:
