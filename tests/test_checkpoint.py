@@ -312,3 +312,20 @@ def test_a_config_written_before_a_field_existed_resumes_with_its_old_behaviour(
     assert config_differences(older, current) == []
     current["strategy"]["error_feedback_after_qh"] = "remove"
     assert config_differences(older, current) == ["strategy.error_feedback_after_qh: 'keep' in the checkpoint, 'remove' now"]
+
+
+def test_stray_folders_beside_the_checkpoints_are_ignored_with_a_warning(data_dir, tmp_path):
+    """A backup copy (step-N.bak) or a folder made by hand (step-zzz) under checkpoints/ is not a checkpoint:
+    the resume warns once, naming them, and continues from the newest real one, bit for bit."""
+    cfg = cfg_for(data_dir, "lordo")
+    full = tmp_path / "full"
+    quiet_train(cfg, full)
+    rewind(full, tmp_path / "resumed", keep_step=10)
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    shutil.copytree(checkpoints / "step-00000010", checkpoints / "step-00000010.bak")
+    (checkpoints / "step-zzz").mkdir()
+    with pytest.warns(RuntimeWarning, match=r"not checkpoints \(step-N\): step-00000010.bak, step-zzz"):
+        summary = quiet_train(cfg, tmp_path / "resumed")
+    assert summary["resumed_from_step"] == 10
+    assert_same_model(full, tmp_path / "resumed")
+    assert (checkpoints / "step-zzz").is_dir() and (checkpoints / "step-00000010.bak").is_dir()  # not ours to delete

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -124,6 +125,9 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}
 
 
+STEP_NAME = re.compile(r"step-\d+")
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
@@ -143,6 +147,7 @@ class Checkpointer:
         # a worker sharded over its ranks: every rank writes its shards (position ``shard`` of ``shards``)
         self.shards = comm.ranks_per_worker if getattr(comm, "sharded", False) else None
         self.shard = comm.member if self.shards else None
+        self._warned_strays = False
 
     # ------------------------------------------------------------------------------------------------ write
 
@@ -214,8 +219,15 @@ class Checkpointer:
         """Checkpoint folders that were completely written (renamed from .partial), oldest first."""
         if not self.root.is_dir():
             return []
-        dirs = [d for d in self.root.iterdir() if d.is_dir() and d.name.startswith("step-") and not d.name.endswith(".partial")]
-        return sorted(dirs, key=lambda d: d.name)
+        dirs, strays = [], []
+        for d in self.root.iterdir():
+            if d.is_dir() and d.name.startswith("step-") and not d.name.endswith(".partial"):
+                (dirs if STEP_NAME.fullmatch(d.name) else strays).append(d)
+        if strays and not self._warned_strays:  # a backup copy (step-N.bak), a folder made by hand: not ours
+            warnings.warn(f"ignoring folders in {self.root} that are not checkpoints (step-N): "
+                          f"{', '.join(sorted(d.name for d in strays))}", RuntimeWarning, stacklevel=2)
+            self._warned_strays = True
+        return sorted(dirs, key=lambda d: int(d.name[5:]))
 
     def latest_step_name(self) -> str | None:
         dirs = self.complete_dirs()
