@@ -1,6 +1,10 @@
 """Sweeps: grid expansion, resume after interruption, failed points recorded."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -151,3 +155,26 @@ def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_di
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_sweep_its_running_point_saves_and_no_other_starts(tmp_path, data_dir, signum):
+    """Ctrl-C (or SIGTERM) to `lordo sweep`: the running point saves its checkpoint and stops, the sweep exits
+    128 + the signal without starting the next points, and says how to continue."""
+    text = NANO_BASE.format(data=data_dir).replace("steps = 3", "steps = 2000\nlog_every = 1")
+    f = write(tmp_path, text + '[grid]\n"train.seed" = [0, 1, 2]\n')
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "lordo.cli", "sweep", str(f), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "seed-0" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 3):
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, stderr
+    assert "stopped by" in stderr and "continue with the same command" in stderr
+    statuses = [p["status"] for p in json.loads((out / "sweep.json").read_text())["points"]]
+    assert statuses == ["stopped", "pending", "pending"]
+    assert any((out / "seed-0" / "checkpoints").iterdir())
+    assert not (out / "seed-1").exists() and not (out / "seed-2").exists()

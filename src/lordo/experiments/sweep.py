@@ -39,6 +39,7 @@ import concurrent.futures
 import itertools
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -48,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import build_config, load_toml, tomllib
-from ..errors import ConfigError
+from ..errors import ConfigError, Stopped
+
+STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a training run that saved a checkpoint and stopped
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
     entries = [{"name": p.name, "values": p.values, "dir": str(sweep.out / p.name), "status": "pending"} for p in points]
     index["points"] = entries
     lock = threading.Lock()
+    running: set[subprocess.Popen] = set()
+    stopped: list[int] = []  # the signal that stops the sweep: no point starts after it
 
     def write_index() -> None:
         with lock:
@@ -154,26 +159,56 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
             entry["status"] = "done"
             log(f"[{i + 1}/{len(points)}] {point.name}: already done")
             return
-        log(f"[{i + 1}/{len(points)}] {point.name}: running")
-        (folder / "failed.json").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "lordo.cli", "train", "--config", str(base_file), "--out", str(folder)]
         for o in point.overrides:
             cmd += ["--set", o]
         cmd += list(extra_args or [])
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode == 0 and (folder / "summary.json").exists():
+        with lock:
+            if stopped:
+                return
+            log(f"[{i + 1}/{len(points)}] {point.name}: running")
+            (folder / "failed.json").unlink(missing_ok=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running.add(proc)
+        _, stderr = proc.communicate()
+        with lock:
+            running.discard(proc)
+        if proc.returncode == 0 and (folder / "summary.json").exists():
             entry["status"] = "done"
+        elif proc.returncode in STOP_CODES:  # stopped by a signal after its checkpoint: resumable, not failed
+            entry["status"] = "stopped"
+            with lock:
+                stopped.append(proc.returncode - 128)
         else:
             folder.mkdir(parents=True, exist_ok=True)
-            failure = {"returncode": done.returncode, "stderr": done.stderr[-4000:], "command": cmd}
+            failure = {"returncode": proc.returncode, "stderr": stderr[-4000:], "command": cmd}
             (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
             entry["status"] = "failed"
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            log(f"    {point.name} failed (exit {done.returncode}): {last}")
+            last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+            log(f"    {point.name} failed (exit {proc.returncode}): {last}")
         write_index()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for future in [pool.submit(run_point, i) for i in range(len(points))]:
-            future.result()
+    def stop(signum, frame) -> None:  # Ctrl-C or SIGTERM: the running points save and stop, no new one starts
+        with lock:
+            stopped.append(signum)
+            for proc in running:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            for future in [pool.submit(run_point, i) for i in range(len(points))]:
+                future.result()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     write_index()
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        raise Stopped(f"sweep {sweep.name} stopped by {name}: the running points saved a checkpoint, the others did not "
+                      f"start; continue with the same command (finished points are skipped, stopped ones resume)",
+                      128 + stopped[0])
     return index
