@@ -180,3 +180,34 @@ def test_torchft_refuses_a_delay_by_name():
 
         LocalUpdateStrategy(models, FaultTolerant(2), optimizers=[torch.optim.AdamW(m.parameters()) for m in models],
                             sync_every=3, sync_delay=1)
+
+
+def test_the_modelled_wall_clock_hides_each_round_behind_its_delay_by_hand():
+    """12 steps of 1 s compute, K = 4, τ = 2: the rounds sent at steps 4 and 8 each ran behind 2 steps (the one
+    at 12 lands at once); each takes 3 s on the shared medium, so 1 s of each shows: 12 + 2 × (3 − 2) = 14 s."""
+    from lordo.comm import Ledger
+    from lordo.train.summary import modeled_wall_s
+
+    cfg = strategy_config("lordo", ["strategy.sync_every=4", "strategy.sync_delay=2", "train.steps=12",
+                                    'comm.medium="shared"', "comm.latency_s=0"])
+    ledger = Ledger(world_size=4)
+    for _ in range(2):
+        ledger.record("all_reduce", "pseudo_gradient", 1_000_000, 1, background=True)
+    bandwidth = 4 * 1_500_000 * 8 / 3.0  # one round: 4 workers × 1.5 MB on the medium in 3 s
+    assert modeled_wall_s(cfg, ledger, 12.0, bandwidth) == pytest.approx(14.0)
+    blocking = strategy_config("lordo", ["strategy.sync_every=4", "train.steps=12", 'comm.medium="shared"',
+                                         "comm.latency_s=0"])
+    waited = Ledger(world_size=4)
+    for _ in range(2):
+        waited.record("all_reduce", "pseudo_gradient", 1_000_000, 1)
+    assert modeled_wall_s(blocking, waited, 12.0, bandwidth) == pytest.approx(12.0 + 2 * 3.0)  # nothing hidden
+
+
+def test_local_bases_move_at_every_landing_when_a_round_lands_as_the_next_starts():
+    """lordo-local with τ = K: the step a round lands is the step the next starts, and each worker's own
+    gradients of that step belong to the new round, not to the landing one (which brought its own)."""
+    models, strategy, _ = make("lordo-local", ["strategy.sync_delay=3"])
+    stats = train_steps(models, strategy, 0, 12)
+    overlaps = [s["basis_overlap"] for s in stats if "basis_overlap" in s]
+    assert len(overlaps) == 3  # landings at steps 6, 9, 12 of the rounds sent at 3, 6, 9
+    assert max(overlaps) < 0.999  # each moved the bases (a lost capture keeps them: overlap exactly 1)

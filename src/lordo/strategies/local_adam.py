@@ -205,13 +205,15 @@ class LocalUpdateStrategy(Strategy):
         r.wait()
         delay = self.steps_done - r.sent_at
         for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
-            beta = 0 if key == "exp_avg" else 1
+            beta, moments = (0 if key == "exp_avg" else 1), self._moments(key)
             for i, w in enumerate(self.workers):
                 betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
-                for p, at_send, m, live in zip(self.averaged_params(i), sent[i], means[i], self._moments(key)[i]):
+                for p, at_send, m, live in zip(self.averaged_params(i), sent[i], means[i], moments[i]):
                     live.add_(m - at_send, alpha=betas[id(p)] ** delay)
+        captured_now = self.round_input()  # this step's, for the round it starts (τ = K): kept aside
         self.restore_round_input(r.basis_input)
         stats = self._apply_round(r.mean[0], r.own if delay else None)
+        self.restore_round_input(captured_now)
         stats["sync_delay_steps"] = float(delay)
         return stats
 
