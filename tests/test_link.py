@@ -3,6 +3,7 @@
 Needs root and iproute2, as CI's machine has; elsewhere each test skips with the one-line reason."""
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -112,3 +113,23 @@ def test_bench_link_times_a_tiny_run_over_the_link_and_models_its_collectives(tm
     assert overlapped["blocked_s"] < overlapped["comm_s"]  # part of its traffic ran behind the steps
     assert (tmp_path / "link-50mbit.png").exists()
     assert link.PREFIX not in namespaces()
+
+
+@needs_link
+def test_sigterm_to_the_benchmark_ends_its_training_and_deletes_the_namespace(tmp_path, data_dir):
+    cmd = [sys.executable, "-m", "lordo.cli", "bench", "link", "--model", "nano", "--workers", "2", "--rates", "10",
+           "--variants", "lordo", "--steps", "400", "--sync-every", "4", "--rank", "2", "--data-dir", str(data_dir),
+           "--json", str(tmp_path / "link.json")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    mine = f"{link.PREFIX}{proc.pid}-"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+            for n in namespaces().split() if n.startswith(mine)):
+        time.sleep(0.2)  # until the training runs inside its namespace
+    name = next(n for n in namespaces().split() if n.startswith(mine))
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert name not in namespaces()
+    assert not (tmp_path / "link.json").exists()  # nothing half-measured is written

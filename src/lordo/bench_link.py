@@ -119,7 +119,8 @@ def run_one(link: ThrottledLink, variant: str, rate: float | None, args: argpars
             str(args.workers), "--backend", "gloo", "--steps", str(steps), "--sync-every", str(args.sync_every),
             "--rank", str(args.rank), "--data-dir", args.data_dir, "--out", str(out),
             *[x for kv in sets for x in ("--set", kv)]]
-    row: dict[str, Any] = {"variant": variant, "rate_mbit": rate, "steps": steps}
+    row: dict[str, Any] = {"variant": variant, "rate_mbit": rate, "link": "unthrottled" if rate is None else f"{rate:g} Mbit/s",
+                           "steps": steps}
     problem = _run(link, argv, args.timeout)
     if problem:
         row["error"] = problem
@@ -145,6 +146,15 @@ def run_one(link: ThrottledLink, variant: str, rate: float | None, args: argpars
     return row
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: the running training is ended and the namespace
+    deleted on the way out, where Python's default would leave both behind."""
+    def unwind(signum, frame) -> None:
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, unwind)
+
+
 def link_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     reason = unavailable()
     if reason:
@@ -156,12 +166,13 @@ def link_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         rates = [None, *[r for r in rates if r is not None]]
     rows: list[dict[str, Any]] = []
     latency: dict[str, float] = {}
+    stop_on_sigterm()
     with tempfile.TemporaryDirectory() as tmp:
         for rate in rates:
             with ThrottledLink(rate) as link:
                 for variant in variants:
-                    label = "unthrottled" if rate is None else f"{rate:g} Mbit/s"
-                    print(f"[{label}] {variant} ...", file=sys.stderr, flush=True)
+                    print(f"[{'unthrottled' if rate is None else f'{rate:g} Mbit/s'}] {variant} ...", file=sys.stderr,
+                          flush=True)
                     out = Path(tmp) / f"{len(rows)}"
                     row = run_one(link, variant, rate, args, out, latency.get(variant))
                     if rate is None and "error" not in row and row["calls"]:
@@ -221,11 +232,12 @@ def plot(rows: list[dict[str, Any]], rate: float, path: Path) -> Path | None:
     return path
 
 
-COLUMNS = [("variant", "variant", "s"), ("rate_mbit", "Mbit/s", "g"), ("steps", "steps", "d"),
+COLUMNS = [("variant", "variant", "s"), ("link", "link", "s"), ("steps", "steps", "d"),
            ("steady_tokens_per_s", "tokens/s (steady)", ",.0f"), ("vs_unthrottled", "× unthrottled", ".2f"),
            ("vs_lordo", "× lordo", ".2f"), ("steady_utilisation", "compute util.", ".2f"),
            ("tokens_per_s", "tokens/s (run)", ",.0f"), ("blocked_s", "blocked s", ".1f"), ("comm_s", "comm s", ".1f"),
-           ("model_comm_s", "model s", ".1f"), ("measured_vs_model", "meas./model", ".2f"), ("val_loss", "val loss", ".3f")]
+           ("model_comm_s", "model s", ".1f"), ("measured_vs_model", "meas./model", ".2f"), ("train_s", "train s", ".1f"),
+           ("modeled_wall_s", "model wall s", ".1f"), ("val_loss", "val loss", ".3f")]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -141,7 +141,7 @@ class Communicator(ABC):
         t0 = time.perf_counter()
         out = self._all_gather(per_worker)
         self.ledger.record("all_gather", tag, payload_bytes(first), len(first), time.perf_counter() - t0,
-                               background=self.background)
+                           background=self.background)
         return out
 
     def all_to_all(self, per_worker: TensorLists, tag: str) -> list[list[torch.Tensor]]:

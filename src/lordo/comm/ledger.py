@@ -72,7 +72,10 @@ class Ledger:
 
     def record(self, kind: str, tag: str, nbytes: int, ntensors: int, seconds: float = 0.0, wire: int | None = None,
                background: bool = False) -> None:
-        e = self.entries.setdefault(f"{kind}:{tag}", Entry())
+        key = f"{kind}:{tag}"
+        if key not in self.entries:  # a new dict, not an insertion: a round's thread may record while the
+            self.entries = {**self.entries, key: Entry()}  # training thread iterates the old one (totals, table)
+        e = self.entries[key]
         sent = wire_bytes(kind, nbytes, self.world_size, self.rank) if wire is None else wire
         e.calls += 1
         e.bytes += nbytes
