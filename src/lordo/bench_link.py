@@ -136,7 +136,7 @@ def run_one(link: ThrottledLink, variant: str, rate: float | None, args: argpars
                val_loss=s["val_loss"], val_ppl=s["val_ppl"], calls=ledger.total_calls,
                medium_bytes=ledger.medium_bytes(), wire_bytes=s["comm_wire_bytes_total"],
                modeled_wall_s=next(iter(s["modeled_wall_s"].values())),
-               curve=[(r["train_s"], r["val_loss"]) for r in rows if "val_loss" in r and "train_s" in r])
+               curve=[(r.get("train_s", 0.0), r["val_loss"]) for r in rows if "val_loss" in r])  # step 0: 0 s
     if steady:
         row.update(steady_tokens_per_s=steady["tokens_per_s"], steady_utilisation=steady["utilisation"],
                    steady_s_per_step=steady["s_per_step"])
@@ -221,7 +221,7 @@ def plot(rows: list[dict[str, Any]], rate: float, path: Path) -> Path | None:
             xs, ys = zip(*r["curve"])
             ax.plot(xs, ys, marker="o", markersize=3, label=r["variant"])
     ax.set_xlabel("seconds of training (measured)")
-    ax.set_ylabel("validation loss")
+    ax.set_ylabel("validation loss (worker 0's model; last: everyone's)")
     ax.set_title(f"over a real {rate:g} Mbit/s link (shared), 4 gloo workers")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
