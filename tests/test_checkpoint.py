@@ -70,9 +70,11 @@ def rewind(src, dst, keep_step):
         Path(dst, f).unlink()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "local-adam", "lordo"])
-def test_resume_between_syncs_equals_uninterrupted_bitwise(data_dir, tmp_path, strategy):
-    cfg = cfg_for(data_dir, strategy)
+@pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("local-adam", ()), ("lordo", ()),
+                                             ("lordo", ("strategy.sync_delay=3",))],  # step 10: the round of 8 in flight
+                         ids=["ddp", "local-adam", "lordo", "lordo-delayed"])
+def test_resume_between_syncs_equals_uninterrupted_bitwise(data_dir, tmp_path, strategy, extra):
+    cfg = cfg_for(data_dir, strategy, extra=extra)
     full = tmp_path / "full"
     quiet_train(cfg, full)
     assert sorted(d.name for d in (full / "checkpoints").iterdir()) == ["step-00000010", "step-00000014"]
