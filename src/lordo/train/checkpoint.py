@@ -219,7 +219,8 @@ class Checkpointer:
         """Checkpoint folders that were completely written (renamed from .partial), oldest first."""
         if not self.root.is_dir():
             return []
-        dirs, strays = [], []
+        dirs: list[Path] = []
+        strays: list[Path] = []
         for d in self.root.iterdir():
             if d.is_dir() and d.name.startswith("step-") and not d.name.endswith(".partial"):
                 (dirs if STEP_NAME.fullmatch(d.name) else strays).append(d)
