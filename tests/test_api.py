@@ -17,7 +17,7 @@ from lordo.model.params import group_by_module
 from lordo.train.loop import build_model, train
 from lordo.train.schedule import lr_factor
 
-from harness import run_gloo
+from harness import one_thread, run_gloo
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ["model.preset=nano", "train.batch_size=4", "train.eval_batches=2", "train.eval_every=100",
@@ -69,7 +69,8 @@ def test_user_loop_on_the_simulator_equals_the_trainer_bitwise(data_dir, tmp_pat
 
 
 def test_user_loop_on_gloo_processes_equals_the_trainer(data_dir, tmp_path):
-    expected, summary = trainer_run(data_dir, tmp_path, "lordo", 2)
+    with one_thread():  # as the gloo processes run: GEMMs' last bits depend on the thread count
+        expected, summary = trainer_run(data_dir, tmp_path, "lordo", 2)
     results = run_gloo(user_loop, 2, data_dir, "lordo", 2, "auto")
     for rank in (0, 1):
         status, value = results[rank]
@@ -154,12 +155,11 @@ def test_several_replicas_need_the_simulator():
 
 def test_public_api_is_what_init_lists():
     import importlib
+    import inspect
 
     module = importlib.import_module("lordo")
-    public = {name for name in dir(module) if not name.startswith("_")} - {
-        "api", "comm", "config", "data", "errors", "model", "optim", "strategies", "train", "experiments", "cli",
-        "launch",
-    }
+    # submodules become attributes once anything imports them (another test module, at collection): not names
+    public = {name for name in dir(module) if not name.startswith("_") and not inspect.ismodule(getattr(module, name))}
     assert public == set(lordo.__all__) - {"__version__"}
     for name in lordo.__all__:
         assert getattr(lordo, name) is not None
