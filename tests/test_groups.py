@@ -44,7 +44,9 @@ def test_two_workers_of_two_ranks_equal_two_workers_of_one_at_twice_the_batch():
     for rank in range(4):
         params, ledger, intra = grouped[rank][1]
         for a, b in zip(params, reference):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the mean of two halves' gradients, rounded
+            # the mean of two halves' gradients, rounded otherwise than the whole batch's: seven Adam-normalised
+            # steps carry that to ~1e-6 on some BLAS builds; a worker that did not average its ranks is off by ~lr
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         if rank in (0, 2):  # the workers' leaders carry the traffic between workers: the same as one rank's
             assert ledger == single[rank // 2][1][1]
     _, _, intra = grouped[0][1]
