@@ -120,3 +120,21 @@ def gloo_strategy_worker(name: str, overrides, steps: int):
         return run_strategy(comm, strategy_config(name, overrides), steps)
     finally:
         comm.close()
+
+
+def assert_simulator_equals_gloo(name: str, overrides, steps: int = 8):
+    """The same strategy on the simulator (one thread) and on 2 gloo processes: equal parameters and ledgers,
+    bit for bit. Returns the simulator's communicator for further checks."""
+    from lordo.comm import SimCommunicator
+
+    with one_thread():
+        comm = SimCommunicator(2)
+        sim_params, sim_ledger = run_strategy(comm, strategy_config(name, overrides), steps=steps)
+    results = run_gloo(gloo_strategy_worker, 2, name, overrides, steps)
+    assert all(status == "ok" for status, _ in results.values()), results
+    for rank in range(2):
+        params, ledger = results[rank][1]
+        assert ledger == sim_ledger
+        for a, b in zip(sim_params, params):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)  # same code, same thread count: bit for bit
+    return comm

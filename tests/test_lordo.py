@@ -10,7 +10,14 @@ from lordo.errors import ConfigError, NonFiniteError
 from lordo.model import group_parameters
 from lordo.strategies import build_strategy
 
-from harness import batch, gloo_strategy_worker, one_thread, run_gloo, run_strategy, strategy_config, tiny_model
+from harness import (
+    assert_simulator_equals_gloo,
+    batch,
+    run_gloo,
+    run_strategy,
+    strategy_config,
+    tiny_model,
+)
 
 LOWRANK = ["strategy.rank=2", "strategy.sync_every=3"]
 
@@ -79,15 +86,7 @@ def test_global_projection_without_qh_stagnates_and_qh_cures_it():
 
 @pytest.mark.parametrize("name", ["lordo", "lowrank-ddp"])
 def test_simulator_and_gloo_give_the_same_trajectory(name):
-    with one_thread():
-        sim_params, sim_ledger = run_strategy(SimCommunicator(2), strategy_config(name, LOWRANK), steps=8)
-    results = run_gloo(gloo_strategy_worker, 2, name, LOWRANK, 8)
-    assert all(status == "ok" for status, _ in results.values()), results
-    for rank in range(2):
-        params, ledger = results[rank][1]
-        assert ledger == sim_ledger
-        for a, b in zip(sim_params, params):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)  # same code, same thread count: bit for bit
+    assert_simulator_equals_gloo(name, LOWRANK)
 
 
 def gloo_bases_worker():
