@@ -29,7 +29,8 @@ def dataset(data_dir):
 
 # Tests that start processes (gloo groups, torchrun, `lordo train` and other CLI runs, throttled links) are the
 # slow tier: `pytest -m "not slow"` runs the rest in a fraction of the time; CI and `make test` run both.
-MULTI_PROCESS = ("run_gloo(", "assert_simulator_equals_gloo(", "subprocess.", "Popen(", "launch_local(", "torchrun", "run_cli(", "ThrottledLink(")
+MULTI_PROCESS = ("run_gloo(", "assert_simulator_equals_gloo(", "subprocess.", "Popen(", "launch_local(", "torchrun",
+                 "run_cli(", "ThrottledLink(")
 
 
 def pytest_collection_modifyitems(config, items):
