@@ -290,3 +290,41 @@ def test_every_low_rank_strategy_runs_in_every_dtype_through_basis_changes(name,
     tolerance = {torch.float64: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.05}[dtype]
     for a, b in zip(params, reference):
         torch.testing.assert_close(a.float(), b, rtol=tolerance, atol=tolerance)
+
+
+def _projector(basis):
+    b = basis.double()
+    return b @ b.T
+
+
+@pytest.mark.parametrize("method, fresh", [("auto", True), ("svd", True), ("subspace", False)])
+def test_lordo_local_bases_are_each_workers_own_top_r_basis_afresh(method, fresh):
+    """The paper's LoRDO-Local (the default, basis_method auto = svd): at a synchronisation each worker's basis
+    is the top-r basis of its own gradient of that step, computed afresh (float64 SVD reference); the warm
+    variant (subspace) starts from the previous basis and is not."""
+    models, strategy, _ = make("lordo-local", [f"strategy.basis_method={method}"])
+    train_steps(models, strategy, 0, 2)
+    for rank, model in enumerate(models):
+        model(*batch(rank, 2))[1].backward()
+    name = "blocks.0.mlp.down.weight"
+    own = [dict(m.named_parameters())[name].grad.detach().double().clone() for m in models]
+    strategy.step(1e-2)  # step 3 of K = 3: a synchronisation
+    assert strategy.optimizers[0].param_groups[0]["basis_method"] == ("subspace" if method == "subspace" else "svd")
+    deviations = []
+    for w, (model, grad) in enumerate(zip(models, own)):
+        p = dict(model.named_parameters())[name]
+        basis = strategy.optimizer(w).state[p]["basis"]
+        u, _, vh = torch.linalg.svd(grad)
+        ref = vh[:2].T if p.shape[0] >= p.shape[1] else u[:, :2]
+        deviations.append(float((_projector(basis) - ref @ ref.T).abs().max()))
+    if fresh:
+        assert max(deviations) < 1e-4, deviations
+    else:
+        assert min(deviations) > 1e-2, deviations
+    assert not torch.allclose(_projector(strategy.optimizer(0).state[dict(models[0].named_parameters())[name]]["basis"]),
+                              _projector(strategy.optimizer(1).state[dict(models[1].named_parameters())[name]]["basis"]))
+
+
+def test_basis_method_auto_is_warm_for_the_global_basis():
+    _, strategy, _ = make("lordo")
+    assert {g["basis_method"] for g in strategy.optimizer(0).param_groups} == {"subspace"}

@@ -220,9 +220,11 @@ class StrategyConfig(_Section):
     omega: float = _f(0.98, "QH weight on the low-rank momentum; 1 - omega goes to the raw full-rank gradient "
                       "(lordo-global-noqh and lowrank-ddp use 1)", _unit_closed)
     error_feedback: bool = _f(True, "feed what the projection drops back into the next step's gradient")
-    basis_method: str = _f("subspace", "how bases are computed at a synchronisation: subspace (iteration warm-started from "
-                           "the previous basis: 16-19x faster, the same quality in docs/performance.md) or exact svd "
-                           "(initial bases are always exact)", _choice("svd", "subspace"))
+    basis_method: str = _f("auto", "how bases are computed at a synchronisation: auto (svd for lordo-local, the paper's "
+                           "LoRDO-Local: each worker's basis afresh from its own gradient; subspace otherwise), subspace "
+                           "(iteration warm-started from the previous basis: 16-19x faster, the same quality for a global "
+                           "basis in docs/performance.md; with lordo-local the warm local variant, docs/concepts.md) or "
+                           "exact svd (initial bases are always exact)", _choice("auto", "svd", "subspace"))
     qh_source: str = _f("grad+error", "input of the full-rank QH term: G + error feedback (grad+error, the research "
                         "code's form and the default: it moves the global basis) or the clipped gradient G alone (grad, the "
                         "paper's notation: the basis barely moves; docs/results.md)", _choice("grad", "grad+error"))

@@ -76,6 +76,14 @@ def split_lowrank(groups: Sequence[ParamGroup], pattern: str, rank: int) -> tupl
     return out, lowrank_names
 
 
+def basis_method(s: StrategyConfig) -> str:
+    """``strategy.basis_method`` resolved: ``auto`` is the exact SVD for ``lordo-local`` (the paper's LoRDO-Local:
+    each worker's basis afresh from its own gradient) and warm-started subspace iteration otherwise."""
+    if s.basis_method != "auto":
+        return s.basis_method
+    return "svd" if s.name == "lordo-local" else "subspace"
+
+
 def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: OptimConfig, *, omega: float,
                            error_feedback: bool | None = None) -> LowRankQHAdam:
     """``LowRankQHAdam`` over the low-rank split of ``groups`` with the config's hyperparameters."""
@@ -88,7 +96,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
     return LowRankQHAdam(
         param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=omega,
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
-        qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=s.basis_method,
+        qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=basis_method(s),
         basis_iterations=s.basis_iterations, error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
         compile=o.compile_step,
     )
