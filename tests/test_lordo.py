@@ -84,9 +84,14 @@ def test_global_projection_without_qh_stagnates_and_qh_cures_it():
     assert min(residual) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["lordo", "lowrank-ddp"])
-def test_simulator_and_gloo_give_the_same_trajectory(name):
-    assert_simulator_equals_gloo(name, LOWRANK)
+@pytest.mark.parametrize("name, extra", [
+    ("lordo", []), ("lowrank-ddp", []),
+    # the research code's step: momentum term, E kept and averaged, exact SVD
+    ("lordo", ["strategy.lowrank_term=momentum", "strategy.average_error_feedback=true",
+               "strategy.error_feedback_after_qh=keep", "strategy.basis_method=svd"]),
+])
+def test_simulator_and_gloo_give_the_same_trajectory(name, extra):
+    assert_simulator_equals_gloo(name, [*LOWRANK, *extra])
 
 
 def gloo_bases_worker():
@@ -328,3 +333,55 @@ def test_lordo_local_bases_are_each_workers_own_top_r_basis_afresh(method, fresh
 def test_basis_method_auto_is_warm_for_the_global_basis():
     _, strategy, _ = make("lordo")
     assert {g["basis_method"] for g in strategy.optimizer(0).param_groups} == {"subspace"}
+
+
+@pytest.mark.parametrize("name", ["lordo", "lordo-local"])
+def test_average_error_feedback_makes_every_workers_e_the_mean_at_a_sync(name):
+    """Two runs in lockstep, E averaged or not: up to the sync they are the same run; right after it, the
+    averaging run's E is, on every worker, the float64 mean of the other run's per-worker E (the basis change
+    keeps E), and the weights agree; the bytes of E are counted once per sync."""
+    plain_models, plain, _ = make(name)
+    avg_models, averaged, comm = make(name, ["strategy.average_error_feedback=true"])
+    for m, n in zip(avg_models, plain_models):
+        m.load_state_dict(n.state_dict())
+    for strategy, models in ((plain, plain_models), (averaged, avg_models)):
+        train_steps(models, strategy, 0, 3)  # K = 3: the third step ends with a sync
+    low = [n for n, p in plain_models[0].named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    for n in low:
+        per_worker = [plain.optimizer(w).error_feedback(dict(m.named_parameters())[n]).double()
+                      for w, m in enumerate(plain_models)]
+        mean = sum(per_worker) / len(per_worker)
+        assert float((per_worker[0] - per_worker[1]).abs().max()) > 1e-6  # the workers' E differ before
+        for w, m in enumerate(avg_models):
+            torch.testing.assert_close(averaged.optimizer(w).error_feedback(dict(m.named_parameters())[n]).double(),
+                                       mean, rtol=1e-5, atol=1e-7)
+    for a, b in zip(avg_models[0].parameters(), plain_models[0].parameters()):
+        torch.testing.assert_close(a, b)
+    n_low = sum(p.numel() for n, p in plain_models[0].named_parameters() if n in low)
+    assert comm.ledger.table()["all_reduce:error_feedback"]["bytes"] == 4 * n_low
+
+
+@pytest.mark.parametrize("override, message", [
+    ("strategy.error_feedback=false", r"average_error_feedback .* needs strategy.error_feedback = true"),
+    ("strategy.compress=int8", r"average_error_feedback sends .* use strategy.compress = none or bf16, got 'int8'"),
+    ("strategy.sync_delay=1", r"average_error_feedback .* use sync_delay = 0"),
+])
+def test_average_error_feedback_refuses_what_it_cannot_do(override, message):
+    with pytest.raises(ConfigError, match=message):
+        make("lordo", ["strategy.average_error_feedback=true", override])
+
+
+def test_the_research_step_preset_builds_the_research_codes_step():
+    """configs/research-step.toml: the momentum low-rank term, G + E in the full-rank term with E kept, an exact
+    SVD at every sync, on the inner optimizers that the strategy builds."""
+    from pathlib import Path
+
+    from lordo.config import build_config
+
+    cfg = build_config(Path(__file__).parent.parent / "configs" / "research-step.toml", ["strategy.rank=2"])
+    models = [tiny_model() for _ in range(2)]
+    strategy = build_strategy(cfg, models, [group_parameters(m) for m in models], SimCommunicator(2))
+    group = next(g for g in strategy.optimizer(0).param_groups if g["rank"] is not None)
+    assert (group["lowrank_term"], group["qh_source"], group["error_feedback_after_qh"], group["basis_method"]) == (
+        "momentum", "grad+error", "keep", "svd")
+    assert strategy.name == "lordo" and not strategy.average_error_feedback

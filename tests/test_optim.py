@@ -192,6 +192,7 @@ def test_rotation_within_the_same_subspace_preserves_back_projected_momentum(big
     (dict(rank=2, omega=-0.1), r"omega must be in \[0, 1\]"),
     (dict(rank=2, qh_source="G"), r"qh_source must be one of"),
     (dict(rank=2, basis_method="qr"), r"basis_method must be one of"),
+    (dict(rank=2, lowrank_term="sgd"), r"lowrank_term must be one of \(.adam., .momentum.\), got .sgd."),
     (dict(rank=2, compile="yes"), r"compile must be True or False, got 'yes'"),
     (dict(rank=2, batched=False, compile=True), r"compile=True compiles the batched step: it needs batched=True or None"),
     (dict(rank=2, batched="yes"), r"batched must be None \(batch the low-rank step on accelerators, not on the CPU\), True or False"),
@@ -284,12 +285,12 @@ class _SpecInFloat64:
     """One matrix's low-rank step written out from the formulas in float64, with explicit projection
     matrices (no code shared with the optimizer); a basis change rotates the moments as in LDAdam, E kept."""
 
-    def __init__(self, w, basis, *, lr, betas, eps, wd, omega, qh_source, after_qh):
+    def __init__(self, w, basis, *, lr, betas, eps, wd, omega, qh_source, after_qh, lowrank_term="adam"):
         self.shape, self.right = tuple(w.shape), w.shape[0] >= w.shape[1]  # compress the smaller side
         self.W, self.E = w.detach().double().clone(), torch.zeros(w.shape, dtype=torch.float64)
         self.P, self.u, self.v, self.t = basis.double(), None, None, 0
         self.lr, (self.b1, self.b2), self.eps, self.wd, self.omega = lr, betas, eps, wd, omega
-        self.qh_source, self.after_qh = qh_source, after_qh
+        self.qh_source, self.after_qh, self.lowrank_term = qh_source, after_qh, lowrank_term
 
     def set_basis(self, new):
         new = new.double()
@@ -310,7 +311,7 @@ class _SpecInFloat64:
         self.u = (1 - b1) * g if self.u is None else b1 * self.u + (1 - b1) * g
         self.v = (1 - b2) * g * g if self.v is None else b2 * self.v + (1 - b2) * g * g
         D = (self.v / (1 - b2**self.t)).sqrt() + self.eps
-        ratio = (self.u / (1 - b1**self.t)) / D
+        ratio = (self.u / (1 - b1**self.t)) / (D if self.lowrank_term == "adam" else 1.0)
         qh_input = G if self.qh_source == "grad" else A
         U = omega * (ratio @ P.T if right else P @ ratio) + (1 - omega) * qh_input / D.mean()
         self.W = self.W * (1 - self.lr * self.wd) - self.lr * U
@@ -331,6 +332,15 @@ def test_lowrank_step_equals_the_spec_written_out_in_float64(shape, qh_source, a
     _seven_steps_against_the_spec(shape, qh_source, after_qh)
 
 
+@pytest.mark.parametrize("batched", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
+def test_the_research_codes_momentum_step_equals_its_formula_in_float64(shape, after_qh, batched):
+    """lowrank_term = "momentum" (the authors' research code): ω·back(û) + (1 − ω)·(G + E)/mean(D), on the
+    per-matrix path, the batched one, and one switching between them; E kept or shrunk by ω."""
+    _seven_steps_against_the_spec(shape, "grad+error", after_qh, batched=batched, lowrank_term="momentum")
+
+
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
 def test_a_deferred_buffers_factor_folded_in_early_changes_nothing(shape, monkeypatch):
     """E ← ω·E shrinks a deferred buffer's factor and multiplies it in once below FOLD_BELOW (every ~66 steps
@@ -339,10 +349,11 @@ def test_a_deferred_buffers_factor_folded_in_early_changes_nothing(shape, monkey
     _seven_steps_against_the_spec(shape, "grad+error", "remove")
 
 
-def _seven_steps_against_the_spec(shape, qh_source, after_qh, batched=(None, None)):
+def _seven_steps_against_the_spec(shape, qh_source, after_qh, batched=(None, None), lowrank_term="adam"):
     """``batched``: the group option for steps 1-2 and from step 3 on (before the basis change at step 5)."""
     torch.manual_seed(3)
-    r, options = 3, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source=qh_source)
+    r, options = 3, dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source=qh_source,
+                         lowrank_term=lowrank_term)
     w = torch.nn.Parameter(torch.randn(shape))
     q = _orthonormal(min(shape), r)
     opt = LowRankQHAdam([{"params": [w], "rank": r}], weight_decay=0.1, error_feedback_after_qh=after_qh,

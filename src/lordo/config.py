@@ -232,6 +232,12 @@ class StrategyConfig(_Section):
                                       "error feedback E each step is removed from E (remove, the default: E <- omega * E, "
                                       "bounded) or stays in it too (keep: the research code)", _choice("keep", "remove"))
     basis_iterations: int = _f(1, "subspace-iteration steps per basis refresh (basis_method = subspace)", _positive)
+    lowrank_term: str = _f("adam", "the low-rank part of each local step: adam (omega * back(m/(sqrt(v) + eps)), the "
+                           "paper's formula) or momentum (omega * back(m), not divided: the authors' research code; "
+                           "tune its learning rate, configs/research-step.toml)", _choice("adam", "momentum"))
+    average_error_feedback: bool = _f(False, "lordo, lordo-local: average the error-feedback buffers E over the workers "
+                                      "at each synchronisation (full-size: as many bytes again as the pseudo-gradient; "
+                                      "the research code may do it)")
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
                        "(pseudo-gradient and moments all-reduced in bfloat16), int8 or int4 (pseudo-gradient quantised in "
                        "blocks of 256 / 128 elements with a float32 scale each and averaged by a quantised reduce-scatter "

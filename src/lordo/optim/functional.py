@@ -31,6 +31,7 @@ def lowrank_qh_adam_update(
     weight_decay: float,
     omega: float,
     qh_lowrank: torch.Tensor | None = None,
+    lowrank_term: str = "adam",
 ) -> None:
     """One step from the low-rank gradient ``g`` (already projected); ``step`` (a 0-d tensor, the steps taken
     so far) is incremented first, as in torch's kernels, and t is its new value:
@@ -38,7 +39,7 @@ def lowrank_qh_adam_update(
         u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
         û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
         A = qh_grad − back(qh_lowrank)            (A = qh_grad when qh_lowrank is None)
-        U = ω·back(û/D) + (1−ω)·A/mean(D)
+        U = ω·back(û/D) + (1−ω)·A/mean(D)       (ω·back(û) + ... with lowrank_term "momentum")
         W ← W·(1 − η·λ) − η·U
 
     ``A`` is the full-rank gradient of the quasi-hyperbolic term (G, or G + E); unused when ω = 1 or
@@ -47,7 +48,7 @@ def lowrank_qh_adam_update(
     low-rank update."""
     lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step], lr=lr,
                                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, omega=omega,
-                                qh_lowranks=None if qh_lowrank is None else [qh_lowrank])
+                                qh_lowranks=None if qh_lowrank is None else [qh_lowrank], lowrank_term=lowrank_term)
 
 
 @torch.no_grad()
@@ -72,8 +73,11 @@ def lowrank_qh_adam_update_many(
     lowrank_scale: float = 1.0,
     moment_numels: list[int] | None = None,
     sum_totals: Callable[[list[torch.Tensor]], None] | None = None,
+    lowrank_term: str = "adam",
 ) -> None:
-    """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_scale``: GaLore's ``scale``, a factor on
+    """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_term = "momentum"``: the low-rank update is
+    ω·back(û), the momentum not divided by D, as in the authors' research code; D still scales the QH term;
+    ``lowrank_scale``: GaLore's ``scale``, a factor on
     the low-rank update ω·back(û/D) only; ``qh_scales``: a factor per matrix on its full-size QH input, which
     holds A/factor): the moment math on the small low-rank tensors runs
     as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass.
@@ -94,7 +98,9 @@ def lowrank_qh_adam_update_many(
     roots = [(1 - beta2**t) ** 0.5 for t in steps]
     denoms = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_add_(denoms, [eps * r for r in roots])
-    ratios = torch._foreach_div(exp_avgs, denoms)  # u/D' = (û/D)·bc1/sqrt(bc2)
+    momentum = lowrank_term == "momentum"
+    # u/D' = (û/D)·bc1/sqrt(bc2); the momentum form uses u itself (read only below)
+    ratios = exp_avgs if momentum else torch._foreach_div(exp_avgs, denoms)
     qh = omega < 1.0
     # sum(D') of every matrix in one call (D' > 0, so its L1 norm), kept as 0-d tensors: no host
     # synchronisation on GPUs
@@ -112,7 +118,7 @@ def lowrank_qh_adam_update_many(
         with_qh = qh and qh_grad is not None
         # the QH term's scale: − η(1−ω)·A/mean(D) = − η(1−ω)·numel·sqrt(bc2)·A/sum(D')
         kappa = lr * (1 - omega) * numel * root
-        alpha = -lr * (omega if with_qh else 1.0) * lowrank_scale * root / (1 - beta1**step)
+        alpha = -lr * (omega if with_qh else 1.0) * lowrank_scale * (1.0 if momentum else root) / (1 - beta1**step)
         if with_qh and low is not None:
             assert total is not None
             # + η(1−ω)·back(c)/mean(D) joins the low-rank update: one GEMM for both

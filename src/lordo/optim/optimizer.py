@@ -23,6 +23,7 @@ from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, sv
 QH_SOURCES = ("grad", "grad+error")
 AFTER_QH = ("keep", "remove")
 BASIS_METHODS = ("svd", "subspace")
+LOWRANK_TERMS = ("adam", "momentum")
 
 
 GALORE_PROJ_TYPES = ("std",)
@@ -103,13 +104,18 @@ class LowRankQHAdam(torch.optim.Optimizer):
         u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g² ;  t ← t + 1
         û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
         Q = G (qh_source "grad") or A (qh_source "grad+error")
-        W ← W·(1 − η·λ) − η·(ω·back(û/D) + (1−ω)·Q/mean(D))
+        L = û/D (lowrank_term "adam") or û (lowrank_term "momentum": the authors' research code)
+        W ← W·(1 − η·λ) − η·(ω·back(L) + (1−ω)·Q/mean(D))
         E ← ω·E                                    # only with grad+error and error_feedback_after_qh "remove"
 
     Groups with ``rank=None`` take full-rank QHAdam with the same ω: W ← W(1 − ηλ) − η((1−ω)·G + ω·û)/D.
     ``omega=1`` is plain low-rank Adam (no full-rank term: the weights stay in the subspace between basis
     changes); ``omega=1, rank=None`` is AdamW. A matrix's basis comes from its first gradient unless set;
     :meth:`set_basis` / :meth:`refresh_basis` change it and rotate u, v into the new basis (LDAdam), E kept.
+
+    ``lowrank_term = "momentum"`` is the step of the authors' public research code (its ``GaLoreGlobal``): the
+    back-projected bias-corrected momentum, not divided by √v̂ + ε, beside the full-rank term divided by the
+    mean denominator. Its scale differs from Adam's (no per-coordinate normalisation): tune its learning rate.
 
     ``basis_method``: ``svd`` (exact) or ``subspace`` (``basis_iterations`` steps of subspace iteration
     warm-started from the previous basis). ``qh_source = "grad+error"`` is the research code's full-rank
@@ -150,6 +156,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         basis_iterations: int = 1,
         batched: bool | None = None,
         compile: bool = False,
+        lowrank_term: str = "adam",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -166,6 +173,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             basis_iterations=basis_iterations,
             batched=batched,
             compile=compile,
+            lowrank_term=lowrank_term,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
 
@@ -196,6 +204,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
             raise ValueError(f"qh_source must be one of {QH_SOURCES}, got {group['qh_source']!r}")
         if group["basis_method"] not in BASIS_METHODS:
             raise ValueError(f"basis_method must be one of {BASIS_METHODS}, got {group['basis_method']!r}")
+        if group["lowrank_term"] not in LOWRANK_TERMS:
+            raise ValueError(f"lowrank_term must be one of {LOWRANK_TERMS}, got {group['lowrank_term']!r}")
         if group["error_feedback_after_qh"] not in AFTER_QH:
             raise ValueError(f"error_feedback_after_qh must be one of {AFTER_QH}, got {group['error_feedback_after_qh']!r}")
         iters = group["basis_iterations"]
@@ -467,6 +477,16 @@ class LowRankQHAdam(torch.optim.Optimizer):
             remove_projection(state["error_feedback"], state["basis"], side_of(p.shape), scale)
 
     @torch.no_grad()
+    def settled_error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The error-feedback buffer E of ``p`` itself (this rank's shard, if sharded), any deferred sum folded
+        in first, so that changing it in place (averaging it over workers) changes E; None without one."""
+        state = self.state.get(p, {})
+        if state.get("error_feedback") is None:
+            return None
+        self._settle(p)
+        return local(state["error_feedback"])
+
+    @torch.no_grad()
     def forget_error_feedback(self) -> None:
         """Zero every error-feedback buffer (a worker that takes over another's state starts with nothing owed)."""
         for state in self.state.values():
@@ -512,7 +532,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
                 lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
                 omega=group["omega"], qh_lowranks=lows, qh_scales=qh_scales, lowrank_scale=group["scale"],
-                moment_numels=numels,
+                moment_numels=numels, lowrank_term=group.get("lowrank_term", "adam"),
                 sum_totals=functools.partial(sum_over_shards, ps) if sharded else None,
             )
             if group["omega"] < 1 and group["qh_source"] == "grad+error" and group["error_feedback_after_qh"] == "remove":

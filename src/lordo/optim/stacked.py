@@ -128,10 +128,11 @@ class MatrixStack:
         ts = steps.tolist()
         roots = [(1 - b2**t) ** 0.5 for t in ts]
         alpha = -lr * (omega if with_qh else 1.0) * group["scale"]
+        momentum = group.get("lowrank_term", "adam") == "momentum"  # L = û, not û/D: no sqrt(bc2) to undo
         kappa = lr * (1 - omega) * u[0].numel()  # κ: − η(1−ω)·A/mean(D) = − κ·A/ΣD'
         scales = torch.tensor([
             [group["eps"] * root for root in roots],
-            [alpha * root / (1 - b1**t) for root, t in zip(roots, ts)],
+            [alpha * (1.0 if momentum else root) / (1 - b1**t) for root, t in zip(roots, ts)],
             [kappa * root for root in roots],
             [1 - lr * group["weight_decay"]] * len(roots),
         ], dtype=u.dtype).view(4, -1, 1, 1).to(u.device)
@@ -146,9 +147,9 @@ class MatrixStack:
         args = (work, u, v, g, self.tensors["basis"][rows], full if with_qh else None, low if with_qh else None,
                 buffers, scales)
         if group.get("compile"):
-            compiled_update(*args, None, b1=b1, b2=b2, side=self.side, omega=omega)
+            compiled_update(*args, None, b1=b1, b2=b2, side=self.side, omega=omega, momentum=momentum)
         else:
-            update(*args, 1 - lr * group["weight_decay"], b1=b1, b2=b2, side=self.side, omega=omega)
+            update(*args, 1 - lr * group["weight_decay"], b1=b1, b2=b2, side=self.side, omega=omega, momentum=momentum)
         torch._foreach_copy_([p.detach() for p in params], list(work.unbind(0)))
         self._grad = None
 
@@ -180,12 +181,12 @@ class MatrixStack:
 
 def update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, basis: torch.Tensor,
            full: torch.Tensor | None, low: torch.Tensor | None, buffers: list[torch.Tensor], scales: torch.Tensor,
-           decay: float | None, *, b1: float, b2: float, side: str, omega: float) -> None:
+           decay: float | None, *, b1: float, b2: float, side: str, omega: float, momentum: bool = False) -> None:
     """The step of a stack from its projected gradients ``g``, in place: the moments u, v, the stacked weights
     ``work`` (float32 or wider), and the error-feedback ``buffers`` to shrink by ω (``remove``; empty else).
     ``scales`` (4, n, 1, 1): ε·sqrt(bc2), the low-rank update's factor α, the QH term's κ and the weight decay's
     factor 1 − ηλ per matrix (see :meth:`MatrixStack.apply`); ``full``/``low``: the QH term's
-    A = full − back(low) (None: no QH term).
+    A = full − back(low) (None: no QH term); ``momentum``: the low-rank update is the momentum, not û/D.
 
     Plain tensor code without host reads, so ``torch.compile`` captures it whole (:func:`compiled_update`).
     ``decay``: 1 − ηλ as a number (eager: the GEMM's β, no extra pass), or None to take it from ``scales``
@@ -194,7 +195,7 @@ def update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     u.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     denom = v.sqrt().add_(eps_root)
-    ratio = (u / denom).mul_(alpha)
+    ratio = u * alpha if momentum else (u / denom).mul_(alpha)
     factor = None
     if full is not None:
         factor = kappa / denom.sum(dim=(1, 2), keepdim=True)

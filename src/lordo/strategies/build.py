@@ -98,7 +98,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=basis_method(s),
         basis_iterations=s.basis_iterations, error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
-        compile=o.compile_step,
+        compile=o.compile_step, lowrank_term=s.lowrank_term,
     )
 
 
@@ -139,7 +139,8 @@ def _lordo(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communica
     s = cfg.strategy
     opts = [make_lowrank_optimizer(g, s, cfg.optim, omega=s.omega if omega is None else omega) for g in groups]
     basis = LocalBasis() if local else GlobalBasis()
-    return LoRDOStrategy(models, comm, optimizers=opts, basis=basis, **_local_options(cfg, "none" if local else "lowrank"))
+    return LoRDOStrategy(models, comm, optimizers=opts, basis=basis, average_error_feedback=s.average_error_feedback,
+                         **_local_options(cfg, "none" if local else "lowrank"))
 
 
 def _lowrank_ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
+from ..comm.codec import average
 from ..errors import ConfigError
 from ..optim import LowRankQHAdam
 from ..optim.sharded import sum_over_shards
@@ -41,19 +42,40 @@ def error_feedback_ratio(opt: LowRankQHAdam, params: Sequence[torch.Tensor], wei
     return sum(ratios) / len(ratios)
 
 
+def _check_error_feedback_average(optimizers: Sequence[LowRankQHAdam], options: dict) -> None:
+    if not all(g["error_feedback"] for opt in optimizers for g in opt.param_groups if g["rank"] is not None):
+        raise ConfigError("strategy.average_error_feedback averages the error-feedback buffers: it needs "
+                          "strategy.error_feedback = true")
+    if options.get("compress", "none") not in ("none", "bf16"):
+        raise ConfigError(f"strategy.average_error_feedback sends the error-feedback buffers in fp32 or bf16: use "
+                          f"strategy.compress = none or bf16, got {options['compress']!r}")
+    if options.get("sync_delay", 0):
+        raise ConfigError("strategy.average_error_feedback averages E at the synchronisation, which a delayed round "
+                          "(strategy.sync_delay > 0) would overwrite with the steps taken meanwhile: use sync_delay = 0")
+
+
 class LoRDOStrategy(LocalUpdateStrategy):
     """``LoRDOStrategy(models, comm, optimizers=[LowRankQHAdam(...)], sync_every=32, basis=GlobalBasis())``.
 
     The inner optimizers decide which matrices are low-rank (their groups with a ``rank``), their rank and ω;
     ``basis`` where the bases come from; ``average_moments`` (default ``lowrank``: the low-rank moments, small)
-    and the other keywords are :class:`LocalUpdateStrategy`'s."""
+    and the other keywords are :class:`LocalUpdateStrategy`'s. ``average_error_feedback``: the low-rank
+    matrices' error-feedback buffers E are averaged over the workers at each synchronisation, before the bases
+    change (full-size tensors, counted in the ledger as ``error_feedback``)."""
 
     name = "lordo"
 
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[LowRankQHAdam],
-                 sync_every: int, basis: BasisPolicy | None = None, average_moments: str = "lowrank", **options: Any) -> None:
+                 sync_every: int, basis: BasisPolicy | None = None, average_moments: str = "lowrank",
+                 average_error_feedback: bool = False, **options: Any) -> None:
         if not all(isinstance(opt, LowRankQHAdam) for opt in optimizers):
             raise ConfigError("LoRDO's inner optimizers must be lordo.optim.LowRankQHAdam instances")
+        if average_error_feedback:
+            _check_error_feedback_average(optimizers, options)
+            if comm.fault_tolerant:
+                raise ConfigError("strategy.average_error_feedback is not supported on a fault-tolerant backend "
+                                  "(torchft): a worker that joins has no error feedback to average")
+        self.average_error_feedback = average_error_feedback
         super().__init__(models, comm, optimizers=optimizers, sync_every=sync_every, average_moments=average_moments, **options)
         self.basis = basis if basis is not None else GlobalBasis()
         if not isinstance(self.basis, BasisPolicy):
@@ -109,6 +131,13 @@ class LoRDOStrategy(LocalUpdateStrategy):
         super().forget_own_errors()
         for opt in self.optimizers:
             opt.forget_error_feedback()
+
+    def sync_round(self) -> dict[str, float]:
+        if self.average_error_feedback:
+            buffers = [[self.optimizer(w).settled_error_feedback(p) for p in self.lowrank(w)] for w in range(len(self.workers))]
+            if all(e is not None for row in buffers for e in row):  # none before the first step
+                average(self.comm, buffers, "error_feedback", self.codecs["pseudo_gradient"])  # type: ignore[arg-type]
+        return super().sync_round()
 
     def round_input(self) -> Any:
         return self.basis.take_round_input()  # lordo-local: each worker's own gradients of the sync step
