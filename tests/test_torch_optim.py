@@ -208,3 +208,47 @@ def test_the_anchor_in_host_memory_trains_the_same_and_leaves_the_device(strateg
     assert "anchor (host)" in off_device and "anchor" not in off_device
     assert off_device["device_total"] == on_device["device_total"] - on_device["anchor"]
     assert off_device["total"] == on_device["total"]
+
+
+def _two_workers_mid_round(tmp_path):
+    """Two simulated workers, 4 steps at K = 3: the state is saved one step after a synchronisation."""
+    models = [tiny_lm(), tiny_lm()]
+    opt = lordo.distributed(models, "lordo", rank=4, sync_every=3, backend="sim")
+    for step in range(4):
+        for rank, m in enumerate(models):
+            loss_of(m, 10 * step + rank).backward()
+        opt.step()
+    assert not opt.in_sync
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    return models, opt
+
+
+def test_a_mid_round_resume_in_torchs_usual_order_is_refused_not_corrupted(tmp_path):
+    """Loading the models, then building the optimizer (which copies worker 0's weights to every worker), then
+    loading its state would continue worker 1 from worker 0's weights: refused, naming the order that works."""
+    models, _ = _two_workers_mid_round(tmp_path)
+    again = [tiny_lm(), tiny_lm()]
+    for m, saved in zip(again, models):
+        m.load_state_dict(saved.state_dict())
+    opt2 = lordo.distributed(again, "lordo", rank=4, sync_every=3, backend="sim")
+    with pytest.raises(lordo.ConfigError, match=r"hosted worker\(s\) \[1\] are worker 0's.*Build the optimizer first, "
+                                                r"then load each model's state"):
+        opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+
+
+def test_a_mid_round_resume_built_first_then_loaded_continues_bit_for_bit(tmp_path):
+    models, opt = _two_workers_mid_round(tmp_path)
+    again = [tiny_lm(), tiny_lm()]
+    opt2 = lordo.distributed(again, "lordo", rank=4, sync_every=3, backend="sim")
+    for m, saved in zip(again, models):
+        m.load_state_dict(saved.state_dict())
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    for step in range(4, 8):
+        for ms, o in ((models, opt), (again, opt2)):
+            for rank, m in enumerate(ms):
+                loss_of(m, 10 * step + rank).backward()
+            o.step()
+    for ms in (models, again):
+        assert not torch.equal(next(ms[0].parameters()), next(ms[1].parameters()))  # mid-round again at step 8
+    for a, b in zip([p for m in models for p in m.parameters()], [p for m in again for p in m.parameters()]):
+        assert torch.equal(a, b)

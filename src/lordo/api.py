@@ -85,8 +85,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
         check_sharded_models(self.models, comm)
         # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
-        # a sharded model's ranks each send their shards)
+        # a sharded model's ranks each send their shards). Which replicas it changed is remembered: a state
+        # loaded into them before (each worker's own weights of a mid-round resume) was overwritten
+        before = [_fingerprint(m) for m in self.models]
         comm.broadcast([[local(p).data for p in m.parameters()] for m in self.models], tag="init")
+        after = [_fingerprint(m) for m in self.models]
+        self._replaced = {i: a for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(b, a)}
         if groups is None:
             groups = [default_groups(m) for m in self.models]
         self.groups = [list(g) for g in groups]
@@ -198,12 +202,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, in a process hosting the same workers, after the model's
-        own ``load_state_dict``."""
+        """Restore what :meth:`state_dict` returned, in a process hosting the same workers: build this optimizer,
+        load each model's own state, then this (building copies worker 0's weights to every worker; a state
+        saved between synchronisations over weights that copy replaced is refused with a clear error)."""
         missing = {"shared", "workers"} - set(state)
         if missing:
             raise ValueError(f"not a lordo optimizer state: keys {sorted(missing)} are missing")
         self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
+        self._check_load_order()
         if "ledger" in state:
             self.comm.ledger.load_state_dict(state["ledger"])
         saved_groups = state.get("param_groups", [])
@@ -211,6 +217,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state holds {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
+
+    def _check_load_order(self) -> None:
+        """A mid-round state needs each worker's own weights; refuse them if the initial broadcast replaced them
+        (the model's state loaded *before* this optimizer was built) and they were not loaded again since."""
+        if self.strategy.in_sync or not self._replaced:
+            return
+        stale = [i for i, after in self._replaced.items() if torch.equal(after, _fingerprint(self.models[i]))]
+        if stale:
+            raise ConfigError(
+                f"this state was saved between synchronisations (step {self.strategy.steps_done}), where each worker "
+                f"holds its own weights, but the weights of hosted worker(s) {stale} are worker 0's: building the "
+                "optimizer copies worker 0's weights to every worker, so a model state loaded before was overwritten. "
+                "Build the optimizer first, then load each model's state, then this optimizer's state")
 
     # --- accounting ----------------------------------------------------------------------------------
     @property
@@ -276,6 +295,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"DistributedOptimizer(strategy={s.name!r}, workers={self.comm.world_size}, "
             f"hosted={len(self.models)}, rank={s.rank}, sync_every={s.sync_every}, omega={s.omega})"
         )
+
+
+@torch.no_grad()
+def _fingerprint(model: nn.Module) -> torch.Tensor:
+    """Per parameter (this rank's shard of it), its float64 sum and sum of squares: tells whether a model's
+    weights changed, without a copy of them."""
+    values = [local(p).detach().double() for p in model.parameters()]
+    if not values:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([torch.stack([v.sum(), v.pow(2).sum()]).cpu() for v in values])
 
 
 def default_groups(model: nn.Module) -> list[ParamGroup]:
