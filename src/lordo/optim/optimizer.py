@@ -113,6 +113,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
     changes); ``omega=1, rank=None`` is AdamW. A matrix's basis comes from its first gradient unless set;
     :meth:`set_basis` / :meth:`refresh_basis` change it and rotate u, v into the new basis (LDAdam), E kept.
 
+    Clip the gradient before ``step`` (``torch.nn.utils.clip_grad_norm_``; the trainer clips at 0.5): the
+    full-rank term is divided by the low-rank moments' mean D, and unclipped it can outgrow the rest of the
+    step when the gradient inside the bases shrinks faster than outside them (docs/concepts.md).
+
     ``lowrank_term = "momentum"`` is the step of the authors' public research code (its ``GaLoreGlobal``): the
     back-projected bias-corrected momentum, not divided by √v̂ + ε, beside the full-rank term divided by the
     mean denominator. Its scale differs from Adam's (no per-coordinate normalisation): tune its learning rate.

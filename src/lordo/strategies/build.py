@@ -7,6 +7,7 @@ the outer optimizer, the basis policy and the codec choice, and hands them to th
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -137,6 +138,11 @@ def _local_adam(cfg: Config, models: list[nn.Module], groups: Groups, comm: Comm
 def _lordo(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator, *, omega: float | None = None,
            local: bool = False) -> Strategy:
     s = cfg.strategy
+    if cfg.optim.grad_clip == 0 and (s.omega if omega is None else omega) < 1:
+        warnings.warn("optim.grad_clip = 0 with LoRDO's full-rank term (omega < 1): that term is divided by the "
+                      "low-rank moments' mean denominator, and unclipped it can outgrow the rest of the step when the "
+                      "gradient inside the bases shrinks faster than outside them (docs/concepts.md, 'Keep the "
+                      "gradient clipped'); the default clip 0.5 keeps it bounded", RuntimeWarning, stacklevel=3)
     opts = [make_lowrank_optimizer(g, s, cfg.optim, omega=s.omega if omega is None else omega) for g in groups]
     basis = LocalBasis() if local else GlobalBasis()
     return LoRDOStrategy(models, comm, optimizers=opts, basis=basis, average_error_feedback=s.average_error_feedback,
