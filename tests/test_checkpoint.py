@@ -331,3 +331,40 @@ def test_stray_folders_beside_the_checkpoints_are_ignored_with_a_warning(data_di
     assert summary["resumed_from_step"] == 10
     assert_same_model(full, tmp_path / "resumed")
     assert (checkpoints / "step-zzz").is_dir() and (checkpoints / "step-00000010.bak").is_dir()  # not ours to delete
+
+
+def test_a_full_disk_while_writing_the_final_model_names_the_file_and_keeps_the_checkpoint(data_dir, tmp_path, monkeypatch):
+    import lordo.files as files_module
+
+    from lordo.errors import WriteError
+
+    original = files_module.os.replace
+
+    def full(src, dst):
+        if str(dst).endswith("model.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(src, dst)
+
+    monkeypatch.setattr(files_module.os, "replace", full)
+    with pytest.raises(WriteError, match=r"could not write .*model.pt: No space left on device; the checkpoint .*"
+                                         r"step-00000014 is intact: free space and rerun with --resume"):
+        quiet_train(cfg_for(data_dir, "lordo"), tmp_path)
+    assert not (tmp_path / "model.pt").exists() and not list(tmp_path.glob(".model.pt.tmp-*"))
+    monkeypatch.setattr(files_module.os, "replace", original)
+    assert quiet_train(cfg_for(data_dir, "lordo"), tmp_path)["resumed_from_step"] == 14
+    assert (tmp_path / "model.pt").exists() and json.loads((tmp_path / "summary.json").read_text())["steps"] == 14
+
+
+def test_resume_without_a_checkpoint_suggests_a_command_that_can_work(tmp_path, capsys):
+    """With neither a checkpoint nor config.json, the suggestion names the user's own config, not a
+    config.json that does not exist; with a config.json, that one."""
+    from lordo.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["train", "--resume", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"start the run again with: lordo train --config YOUR_CONFIG.toml --out {empty}" in err
+    (empty / "config.json").write_text(json.dumps({"train": {"steps": 3}}))
+    assert main(["train", "--resume", str(empty)]) == 2
+    assert f"lordo train --config {empty / 'config.json'} --out {empty}" in capsys.readouterr().err

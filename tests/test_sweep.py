@@ -157,6 +157,31 @@ def test_report_on_a_tiny_sweep_has_the_runs_numbers_and_plots(tmp_path, data_di
     assert not (tmp_path / "x.png").exists()
 
 
+def test_half_written_results_are_rerun_by_the_sweep_and_left_out_of_the_report(tmp_path, data_dir):
+    """An empty summary.json (a kill while writing it, before writes were atomic) is not a finished point: the
+    sweep runs it again (it resumes from its final checkpoint); meanwhile the report leaves it out with a warning
+    and a metrics line cut short is skipped, not a JSONDecodeError."""
+    f = write(tmp_path, NANO_BASE.format(data=data_dir) + '[grid]\n"train.seed" = [0, 1]\n')
+    out = tmp_path / "out"
+    run_sweep(load_sweep(f, out), log=lambda _: None)
+    from lordo.experiments.report import write_report
+
+    (out / "seed-0" / "summary.json").write_text("")
+    with (out / "seed-1" / "metrics.jsonl").open("a") as m:
+        m.write('{"step": 3, "val_lo')
+    with pytest.warns(RuntimeWarning) as caught:
+        report = write_report(out).read_text()
+    messages = [str(w.message) for w in caught]
+    assert any("seed-0/summary.json is empty or damaged" in m for m in messages)
+    assert any("metrics.jsonl: 1 damaged line(s) left out" in m for m in messages)
+    assert "1 runs;" in report  # seed 1 only
+    logged = []
+    index = run_sweep(load_sweep(f, out), log=logged.append)
+    assert any("seed-0: summary.json is damaged; running the point again" in line for line in logged)
+    assert [p["status"] for p in index["points"]] == ["done", "done"]
+    assert json.loads((out / "seed-0" / "summary.json").read_text())["steps"] == 3
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_sweep_its_running_point_saves_and_no_other_starts(tmp_path, data_dir, signum):
     """Ctrl-C (or SIGTERM) to `lordo sweep`: the running point saves its checkpoint and stops, the sweep exits

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import LordoError, Stopped
+from .files import read_json
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -57,7 +58,10 @@ def _train(args: argparse.Namespace) -> int:
         assert out is not None
         print(f"starting {cfg.dist.workers * cfg.dist.ranks_per_worker} {cfg.dist.backend} processes", file=sys.stderr)
         launch_local(worker_command(args.argv), cfg.dist.workers * cfg.dist.ranks_per_worker, out=str(out))
-        summary = json.loads((out / "summary.json").read_text())
+        summary = read_json(out / "summary.json")
+        if summary is None:
+            raise LordoError(f"the workers ended without writing {out / 'summary.json'} (or it is damaged); the run "
+                             f"can continue with: lordo train --resume {out}")
     else:
         summary = train(cfg, out)
         if os.environ.get("RANK", "0") != "0" or os.environ.get("LORDO_LAUNCHED"):
@@ -76,13 +80,12 @@ def _resumed_config(folder: Path) -> dict:
         raise ConfigError(f"--resume {folder}: no such folder")
     checkpoints = Checkpointer(folder, None, keep=1)
     if not checkpoints.has_checkpoint():
+        config = folder / "config.json"
+        given = str(config) if read_json(config) is not None else "YOUR_CONFIG.toml"
         raise ConfigError(f"--resume {folder}: it holds no complete checkpoint, so there is nothing to resume; start the "
-                          f"run again with: lordo train --config {folder / 'config.json'} --out {folder}")
-    try:
-        saved = json.loads((folder / "config.json").read_text())
-        if not isinstance(saved, dict) or not saved:
-            raise ValueError("empty")
-    except (OSError, ValueError):  # written before the first step; a crash can leave it empty
+                          f"run again with: lordo train --config {given} --out {folder}")
+    saved = read_json(folder / "config.json")
+    if saved is None:  # written before the first step; a crash before this change could leave it empty
         try:
             saved = Checkpointer.read_meta(checkpoints.complete_dirs()[-1])["config"]
         except CheckpointError as exc:

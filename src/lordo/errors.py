@@ -23,3 +23,7 @@ class Stopped(LordoError):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class WriteError(LordoError, OSError):
+    """A file could not be written (a full disk, no permission); the message names the file and the cause."""

@@ -13,29 +13,35 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import warnings
 from pathlib import Path
 from typing import Any
 
 from ..comm.ledger import wire_bytes
 from ..errors import LordoError
+from ..files import atomic_write, read_json, read_jsonl
 
 
 def _read_runs(root: Path) -> list[dict[str, Any]]:
+    """Every finished point under ``root``; a point whose summary.json is empty or cut short is left out with a
+    warning (``lordo sweep`` runs it again), metrics lines cut short are left out of its curves."""
     runs = []
-    index = root / "sweep.json"
-    values_by_dir = {}
-    if index.exists():
-        for p in json.loads(index.read_text())["points"]:
-            values_by_dir[Path(p["dir"]).name] = p["values"]
-    for summary in sorted(root.glob("*/summary.json")):
-        folder = summary.parent
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    index = read_json(root / "sweep.json") or {}
+    values_by_dir = {Path(p["dir"]).name: p["values"] for p in index.get("points", []) if "dir" in p}
+    for path in sorted(root.glob("*/summary.json")):
+        folder = path.parent
+        summary = read_json(path)
+        if summary is None:
+            warnings.warn(f"{path} is empty or damaged: {folder.name} left out of the report (lordo sweep runs it "
+                          "again)", RuntimeWarning, stacklevel=2)
+            continue
+        metrics = folder / "metrics.jsonl"
         runs.append(
             {
                 "name": folder.name,
                 "values": values_by_dir.get(folder.name, {}),
-                "summary": json.loads(summary.read_text()),
-                "metrics": rows,
+                "summary": summary,
+                "metrics": read_jsonl(metrics) if metrics.exists() else [],
             }
         )
     return runs
@@ -132,7 +138,7 @@ def write_report(root: str | Path) -> Path:
     plots = _plots(root, runs)
     lines += ["", "## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]
     out = root / "report.md"
-    out.write_text("\n".join(lines))
+    atomic_write(out, "\n".join(lines).encode())
     return out
 
 
@@ -277,13 +283,7 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         path = d / "metrics.jsonl"
         if not path.exists():
             raise LordoError(f"{d} has no metrics.jsonl; give output folders of lordo train")
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a row cut short by a crash
-        evals = [r for r in rows if "val_loss" in r]
+        evals = [r for r in read_jsonl(path) if "val_loss" in r]  # rows cut short by a crash left out
         if not evals:
             raise LordoError(f"{path} holds no validation loss yet")
         runs.append((d.name or str(d), evals))

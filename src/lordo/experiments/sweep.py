@@ -50,6 +50,7 @@ from typing import Any
 
 from ..config import build_config, load_toml, tomllib
 from ..errors import ConfigError, Stopped
+from ..files import read_json, write_json
 
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a training run that saved a checkpoint and stopped
 
@@ -139,7 +140,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
         raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     sweep.out.mkdir(parents=True, exist_ok=True)
     base_file = sweep.out / "base.json"
-    base_file.write_text(json.dumps(sweep.base, indent=2) + "\n")
+    write_json(base_file, sweep.base)
     points = sweep.points()
     index: dict[str, Any] = {"name": sweep.name, "grid": sweep.grid, "cases": sweep.cases, "base": sweep.base, "points": []}
     entries = [{"name": p.name, "values": p.values, "dir": str(sweep.out / p.name), "status": "pending"} for p in points]
@@ -150,15 +151,19 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
 
     def write_index() -> None:
         with lock:
-            (sweep.out / "sweep.json").write_text(json.dumps(index, indent=2) + "\n")
+            write_json(sweep.out / "sweep.json", index)
 
     def run_point(i: int) -> None:
         point, entry = points[i], entries[i]
         folder = sweep.out / point.name
-        if (folder / "summary.json").exists():
+        summary = folder / "summary.json"
+        if read_json(summary) is not None:
             entry["status"] = "done"
             log(f"[{i + 1}/{len(points)}] {point.name}: already done")
             return
+        if summary.exists():  # empty or cut short: the run resumes from its checkpoint and writes it again
+            log(f"[{i + 1}/{len(points)}] {point.name}: summary.json is damaged; running the point again")
+            summary.unlink()
         cmd = [sys.executable, "-m", "lordo.cli", "train", "--config", str(base_file), "--out", str(folder)]
         for o in point.overrides:
             cmd += ["--set", o]
@@ -173,7 +178,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
         _, stderr = proc.communicate()
         with lock:
             running.discard(proc)
-        if proc.returncode == 0 and (folder / "summary.json").exists():
+        if proc.returncode == 0 and read_json(summary) is not None:
             entry["status"] = "done"
         elif proc.returncode in STOP_CODES:  # stopped by a signal after its checkpoint: resumable, not failed
             entry["status"] = "stopped"
@@ -182,7 +187,7 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
         else:
             folder.mkdir(parents=True, exist_ok=True)
             failure = {"returncode": proc.returncode, "stderr": stderr[-4000:], "command": cmd}
-            (folder / "failed.json").write_text(json.dumps(failure, indent=2) + "\n")
+            write_json(folder / "failed.json", failure)
             entry["status"] = "failed"
             last = (stderr.strip().splitlines() or ["(no output)"])[-1]
             log(f"    {point.name} failed (exit {proc.returncode}): {last}")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import LordoError
+from ..files import _fsync_dir, atomic_write
 from ..optim.sharded import is_sharded, local
 
 FORMAT = 2  # 2: the outer optimizer's state_dict replaces the outer momentum list (1 still loads)
@@ -38,32 +39,6 @@ READABLE_FORMATS = (1, 2)
 
 class CheckpointError(LordoError):
     """A checkpoint cannot be written or read."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _save_tensor_file(path: Path, obj: Any) -> None:

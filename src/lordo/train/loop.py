@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import signal
 import sys
@@ -29,6 +28,7 @@ from ..config import Config
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
 from ..errors import ConfigError, NonFiniteError, Stopped
+from ..files import write_json
 from ..model import GPT, GPTConfig, format_groups
 from ..optim import fsdp_placement
 from .checkpoint import Checkpointer, config_differences, load_local_state, local_state
@@ -491,7 +491,7 @@ class Trainer:
         resolved["derived"] = {"vocab_size": self.data.vocab_size, "params": self.models[0].num_params(),
                                "data": str(self.data.root), "world_size": self.comm.world_size,
                                "communicator": type(self.comm).__name__}
-        (self.out / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
+        write_json(self.out / "config.json", resolved)
 
 
 __all__ = ["RunState", "Trainer", "build_model", "evaluate", "resolve_device", "train"]

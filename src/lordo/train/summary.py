@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import io
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +10,8 @@ import torch
 
 from ..comm.ledger import Ledger
 from ..config import Config
+from ..errors import WriteError
+from ..files import atomic_write, write_json
 from .checkpoint import full_state
 
 if TYPE_CHECKING:
@@ -88,6 +90,13 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         summary[f"{key}_last"] = values[-1]
     weights = full_state(trainer.models[0])  # a sharded model's shards gathered on every rank of its worker
     if trainer.main:
-        torch.save(weights, trainer.out / "model.pt")
-        (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        try:
+            atomic_write(trainer.out / "model.pt", buffer.getvalue())
+            write_json(trainer.out / "summary.json", summary)
+        except WriteError as exc:
+            latest = trainer.checkpoints.latest_step_name()
+            kept = f"; the checkpoint {latest} is intact: free space and rerun with --resume {trainer.out}" if latest else ""
+            raise WriteError(f"{exc}{kept}") from None
     return summary
