@@ -335,7 +335,6 @@ def test_stray_folders_beside_the_checkpoints_are_ignored_with_a_warning(data_di
 
 def test_a_full_disk_while_writing_the_final_model_names_the_file_and_keeps_the_checkpoint(data_dir, tmp_path, monkeypatch):
     import lordo.files as files_module
-
     from lordo.errors import WriteError
 
     original = files_module.os.replace

@@ -78,6 +78,39 @@ def test_uint32_token_files_with_a_large_vocabulary(tmp_path):
     assert summary["steps"] == 2 and np.isfinite(summary["val_loss"])
 
 
+def test_token_files_of_the_other_dtype_are_recognised(tmp_path):
+    """uint32 ids read as the default uint16 would train on id, 0, id, 0, ...: refused, naming data.token_dtype;
+    uint16 ids read as uint32 give ids beyond the vocabulary, and the message says why."""
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20_000), ("val", 2_000)):
+        rng.integers(2, 500, n).astype(np.uint32).tofile(tokens / f"{split}.bin")
+    with pytest.raises(DataError, match=r"train.bin read as uint16 has every other value 0 or 1 \(100.0% of them\): it "
+                                        r"looks like uint32 token ids; set data.token_dtype = \"uint32\""):
+        run(tmp_path, "t", f"data.tokens={json.dumps(str(tokens))}")
+    for split, n in (("train", 20_000), ("val", 2_000)):
+        rng.integers(2, 500, n).astype(np.uint16).tofile(tokens / f"{split}.bin")
+    with pytest.raises(DataError, match=r"not below data.vocab_size = 512 \(if the file holds uint16 ids"):
+        run(tmp_path, "t", f"data.tokens={json.dumps(str(tokens))}", 'data.token_dtype="uint32"')
+
+
+def test_a_text_on_one_line_is_cut_into_documents(tmp_path):
+    """A 600,000-character file without a line break is one line; it is cut at whitespace into documents, so
+    the split has validation documents (it blamed data.val_fraction before)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    (folder / "one.txt").write_text(" ".join(rng.choice(words, 100_000)))
+    from lordo.data.textfiles import iter_text_documents
+
+    docs = list(iter_text_documents(folder, [folder / "one.txt"]))
+    assert len(docs) > 100 and max(len(t) for _, t in docs) <= 2 * 3_000
+    assert " ".join(t for _, t in docs) == (folder / "one.txt").read_text()  # cut at spaces: nothing lost
+    assert run(tmp_path, "one", f"data.corpus={json.dumps(str(folder))}")["steps"] == 6
+
+
 @pytest.mark.parametrize("setup, overrides, message", [
     (lambda d: d.mkdir(), [], r"holds no .txt, .md or .jsonl files"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"text\x00\x01\x02")), [], r"a.txt is not text \(it holds NUL bytes\)"),

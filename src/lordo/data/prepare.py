@@ -280,6 +280,19 @@ def _tokens_fingerprint(spec: CorpusSpec) -> str:
     return hashlib.sha256(json.dumps([str(folder), sizes, spec.token_dtype, spec.vocab_size]).encode()).hexdigest()
 
 
+def _check_token_dtype(path: Path, arr: np.ndarray) -> None:
+    """uint32 ids (little-endian) read as uint16 come out as id, 0, id, 0, ...: every other value is 0 or 1 (the
+    high halves) while the others vary. Refuse that pattern, on the first 2^20 values, naming the fix."""
+    if arr.dtype != np.uint16 or arr.size < 64:
+        return
+    head = np.asarray(arr[: 1 << 20])
+    head = head[: head.size // 2 * 2]
+    high, low = head[1::2], head[0::2]
+    if (high <= 1).mean() > 0.99 and (low > 1).mean() > 0.5:
+        raise DataError(f"{path} read as uint16 has every other value 0 or 1 ({(high <= 1).mean():.1%} of them): it looks "
+                        "like uint32 token ids; set data.token_dtype = \"uint32\"")
+
+
 def prepare_tokens(data_dir: str | Path, spec: CorpusSpec, log: Callable[[str], None] = print) -> Path:
     """A manifest for pre-tokenized ``train.bin``/``val.bin`` (the nanoGPT convention: flat arrays of
     ``token_dtype``) after checking them: present, whole tokens, non-empty, every id below ``vocab_size``.
@@ -297,9 +310,13 @@ def prepare_tokens(data_dir: str | Path, spec: CorpusSpec, log: Callable[[str], 
         if size == 0 or size % dtype.itemsize:
             raise DataError(f"{path} holds {size} bytes: not a whole number of {dtype.name} tokens (data.token_dtype)")
         arr = np.memmap(path, dtype=dtype, mode="r")
+        _check_token_dtype(path, arr)
         top = int(arr.max())
         if top >= spec.vocab_size:
-            raise DataError(f"{path} holds token id {top}, not below data.vocab_size = {spec.vocab_size}")
+            hint = ""
+            if dtype == np.uint32 and top >= 2**16:
+                hint = " (if the file holds uint16 ids, two of them read as one uint32 look like this: data.token_dtype = \"uint16\")"
+            raise DataError(f"{path} holds token id {top}, not below data.vocab_size = {spec.vocab_size}{hint}")
         arrays[split] = arr
         splits[split] = _split_entry(path, str(path), arr)
     tmp = root.with_name(root.name + ".tmp")

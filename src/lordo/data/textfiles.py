@@ -1,7 +1,7 @@
 """Your own text as a corpus: a folder, a file or a glob of ``.txt``, ``.md`` and ``.jsonl`` files.
 
 A ``.txt`` or ``.md`` file is cut into documents of up to about 16,000 characters at line ends (the document
-is the unit of the train/validation split); each line of a ``.jsonl`` file is one document, its ``"text"``
+is the unit of the train/validation split; a line longer than that is cut at whitespace); each line of a ``.jsonl`` file is one document, its ``"text"``
 field.
 """
 
@@ -69,7 +69,25 @@ def iter_text_documents(root: Path, files: list[Path]) -> Iterator[Document]:
         if f.suffix.lower() == ".jsonl":
             yield from _jsonl_documents(f, name, text)
         else:
-            yield from chunks(name, text, size)
+            for doc_id, piece in chunks(name, text, size):
+                yield from _split_long(doc_id, piece, size)
+
+
+def _split_long(doc_id: str, piece: str, size: int) -> Iterator[Document]:
+    """A piece longer than twice ``size`` (a text whose lines are that long: a file on one line) cut at the last
+    whitespace before each 2·size characters, or at 2·size where there is none; other pieces as they are."""
+    if len(piece) <= 2 * size:
+        yield doc_id, piece
+        return
+    start, index = 0, 0
+    while start < len(piece):
+        end = min(len(piece), start + 2 * size)
+        if end < len(piece):
+            space = max(piece.rfind(" ", start + size, end), piece.rfind("\n", start + size, end))
+            end = space + 1 if space > 0 else end
+        if part := piece[start:end].strip():
+            yield f"{doc_id}.{index}", part
+        start, index = end, index + 1
 
 
 def _jsonl_documents(f: Path, name: str, text: str) -> Iterator[Document]:
