@@ -256,6 +256,28 @@ def test_launcher_stops_the_others_when_one_worker_dies():
     assert time.monotonic() - t0 < 30
 
 
+def test_launcher_names_worker_and_rank_under_worker_groups():
+    code = "import os, time; r = int(os.environ['RANK']); time.sleep(0.5 if r == 3 else 120); raise SystemExit(3)"
+    with pytest.raises(WorkerFailed, match=r"process 3 of 4 \(worker 1, rank 1 of 2\) exited with code 3; the other "
+                                           r"processes were stopped"):
+        launch_local([sys.executable, "-c", code], 4, ranks_per_worker=2)
+
+
+def test_workers_stopped_by_a_schedulers_sigterm_are_a_stop_not_a_failure():
+    """Each worker saved and exited with 128 + SIGTERM (the scheduler signalled them, not the launcher): the
+    launcher says stopped, with the same exit status, and how to continue; one worker stopped alone is a failure."""
+    from lordo.errors import Stopped
+
+    everyone = "import time; time.sleep(0.3); raise SystemExit(143)"
+    with pytest.raises(Stopped, match=r"stopped by SIGTERM \(sent to the workers\): they saved a checkpoint; continue "
+                                      r"with: lordo train --resume runs/x") as stopped:
+        launch_local([sys.executable, "-c", everyone], 2, out="runs/x")
+    assert stopped.value.exit_code == 143
+    alone = "import os, time; r = int(os.environ['RANK']); time.sleep(0.3 if r == 0 else 120); raise SystemExit(143)"
+    with pytest.raises(WorkerFailed, match=r"worker 0 of 2 was stopped by SIGTERM alone; the other workers were stopped"):
+        launch_local([sys.executable, "-c", alone], 2, grace_s=1.0)
+
+
 def _closing_worker(clean: bool):
     import torch.distributed as dist
 

@@ -57,7 +57,8 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.dist.backend in ("gloo", "nccl") and not launched_by_torchrun():
         assert out is not None
         print(f"starting {cfg.dist.workers * cfg.dist.ranks_per_worker} {cfg.dist.backend} processes", file=sys.stderr)
-        launch_local(worker_command(args.argv), cfg.dist.workers * cfg.dist.ranks_per_worker, out=str(out))
+        launch_local(worker_command(args.argv), cfg.dist.workers * cfg.dist.ranks_per_worker, out=str(out),
+                     ranks_per_worker=cfg.dist.ranks_per_worker)
         summary = read_json(out / "summary.json")
         if summary is None:
             raise LordoError(f"the workers ended without writing {out / 'summary.json'} (or it is damaged); the run "

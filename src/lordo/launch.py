@@ -25,13 +25,15 @@ def free_port() -> int:
 
 
 def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s: float = 10.0,
-                 out: str | None = None) -> None:
+                 out: str | None = None, ranks_per_worker: int = 1) -> None:
     """Run ``command`` as ``workers`` processes with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT). Returns when all exit 0; if one fails, stops the rest and raises.
 
     SIGTERM and SIGINT sent to this launcher go to every worker (they run in their own session, so a
     terminal's Ctrl-C reaches them once, through here); the workers finish their step, save a checkpoint
-    and exit, and the launcher then raises :class:`Stopped` with the signal's exit status."""
+    and exit, and the launcher then raises :class:`Stopped` with the signal's exit status; so it does when the
+    workers themselves were sent the signal (a scheduler's SIGTERM). ``workers`` counts processes; with
+    ``ranks_per_worker`` > 1 messages name a failed process's worker and rank."""
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs = []
@@ -60,29 +62,76 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        _wait(procs, workers, received, poll_s, grace_s, out)
+        _wait(procs, _Names(workers, ranks_per_worker), received, poll_s, grace_s, out)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _wait(procs: list[subprocess.Popen], workers: int, received: list[int], poll_s: float, grace_s: float,
+class _Names:
+    """How messages call process ``rank``: "worker 2 of 4", or "process 3 of 4 (worker 1, rank 1 of 2)"."""
+
+    def __init__(self, processes: int, ranks_per_worker: int) -> None:
+        self.processes, self.ranks = processes, max(1, ranks_per_worker)
+
+    def of(self, rank: int) -> str:
+        if self.ranks == 1:
+            return f"worker {rank} of {self.processes}"
+        return f"process {rank} of {self.processes} (worker {rank // self.ranks}, rank {rank % self.ranks} of {self.ranks})"
+
+    @property
+    def others(self) -> str:
+        return "the other workers" if self.ranks == 1 else "the other processes"
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _wait(procs: list[subprocess.Popen], names: _Names, received: list[int], poll_s: float, grace_s: float,
           out: str | None) -> None:
+    where = f"lordo train --resume {out}" if out else "lordo train --resume OUT"
     while True:
         codes = [p.poll() for p in procs]
         if received and all(c is not None for c in codes):  # every worker stopped after the signal
             name = signal.Signals(received[0]).name
-            where = f"lordo train --resume {out}" if out else "lordo train --resume OUT"
             raise Stopped(f"stopped by {name}: the workers saved a checkpoint; continue with: {where}", 128 + received[0])
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed and not received:
             rank, code = failed[0]
+            stop = _stop_signal(code)
+            if stop is not None and _all_stopped(procs, grace_s):  # the signal reached every worker (a scheduler)
+                raise Stopped(f"stopped by {stop.name} (sent to the workers): they saved a checkpoint; continue with: "
+                              f"{where}", code)
             _stop(procs, grace_s)
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise WorkerFailed(f"worker {rank} of {workers} {how}; the other workers were stopped")
+            if stop is not None:
+                how = f"was stopped by {stop.name} alone"
+            else:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise WorkerFailed(f"{names.of(rank)} {how}; {names.others} were stopped")
         if all(c == 0 for c in codes):
             return
         time.sleep(poll_s)
+
+
+def _stop_signal(code: int) -> signal.Signals | None:
+    """The signal a worker that exited with ``code`` was stopped by after saving (it exits with 128 + it)."""
+    for sig in STOP_SIGNALS:
+        if code == 128 + sig:
+            return sig
+    return None
+
+
+def _all_stopped(procs: list[subprocess.Popen], grace_s: float) -> bool:
+    """Whether every worker ends within ``grace_s`` by a stop signal (or cleanly): a signal sent to all of them."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            code = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        if code != 0 and _stop_signal(code) is None:
+            return False
+    return True
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
