@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -367,3 +368,28 @@ def test_resume_without_a_checkpoint_suggests_a_command_that_can_work(tmp_path, 
     (empty / "config.json").write_text(json.dumps({"train": {"steps": 3}}))
     assert main(["train", "--resume", str(empty)]) == 2
     assert f"lordo train --config {empty / 'config.json'} --out {empty}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [("train.batch_size=100000000", "train.batch_size (100000000)"),
+                                           ("model.d_model=262144", "model.d_model (262144)")])
+def test_settings_far_beyond_the_memory_are_refused_before_allocating(data_dir, tmp_path, override, key):
+    with pytest.raises(ConfigError, match=rf"this run needs at least [\d,.]+ GiB on cpu .* but the machine has "
+                                          rf"[\d,.]+ GiB; lower .*{re.escape(key)}"):
+        quiet_train(cfg_for(data_dir, "lordo", extra=[override, "model.n_heads=4"]), tmp_path)
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_an_allocator_refusal_is_a_message_not_a_traceback(monkeypatch, capsys):
+    import lordo.cli as cli
+
+    def refuse(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: not enough memory: you tried "
+                           "to allocate 1099511627776 bytes.")
+
+    monkeypatch.setattr(cli, "_train", refuse)
+    assert cli.main(["train", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "lordo: error: out of memory ([enforce fail at alloc_cpu.cpp:121]" in err and "lower train.batch_size" in err
+    monkeypatch.setattr(cli, "_train", lambda args: (_ for _ in ()).throw(RuntimeError("a bug, not memory")))
+    with pytest.raises(RuntimeError, match="a bug, not memory"):  # other errors are not hidden
+        cli.main(["train", "--steps", "1"])

@@ -334,6 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lordo: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # an allocator's refusal (torch.OutOfMemoryError is one too): said, not a traceback
+        text = str(exc)
+        if not any(marker in text for marker in ("out of memory", "can't allocate memory", "not enough memory")):
+            raise
+        print(f"lordo: error: out of memory ({text.splitlines()[0][:200]}); lower train.batch_size, model.d_model, "
+              "model.n_layers or the workers one process hosts (dist.workers with backend sim)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from ..model import GPT, GPTConfig, format_groups
 from ..optim import fsdp_placement
 from .checkpoint import Checkpointer, config_differences, load_local_state, local_state
 from .lock import OutputLock
+from .memory import check_fits
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
 from .summary import summarize
@@ -203,6 +204,7 @@ class Trainer:
         weights = torch.bfloat16 if self.precision == "bf16" else torch.float32
         self.sharded = cfg.dist.shard  # each worker's model sharded over its ranks (FSDP2)
         self.mesh = worker_mesh(cfg.dist.ranks_per_worker) if self.sharded else None
+        check_fits(cfg, self.data.vocab_size, len(comm.local_ranks), device)
         self.models = [self._new_model(weights) for _ in comm.local_ranks]
         # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
         self.optimizer = DistributedOptimizer(self.models, cfg, comm)
