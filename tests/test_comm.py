@@ -311,3 +311,28 @@ def test_closing_after_an_error_waits_for_no_peer():
     results = run_gloo(_closing_worker, 2, False, timeout=60)
     status, (_, seconds) = results[0]
     assert status == "ok" and seconds < 2.0
+
+
+def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
+    """SIGKILL to the launcher (nothing of it runs to forward a signal): each worker gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and ends, instead of training on without a parent."""
+    import signal
+    import subprocess
+
+    pids = tmp_path / "pids"
+    worker = f"import os, time; open({str(pids)!r} + os.environ['RANK'], 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = subprocess.Popen([sys.executable, "-c", f"import sys; from lordo.launch import launch_local; "
+                                 f"launch_local([sys.executable, '-c', {worker!r}], 2)"])
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pids*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(p.read_text()) for p in sorted(tmp_path.glob("pids*"))]
+    assert len(children) == 2
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]]
+        time.sleep(0.1)
+    assert not alive, f"workers {alive} outlived their launcher"

@@ -18,6 +18,26 @@ class WorkerFailed(LordoError):
     """A worker process exited with an error; the others were stopped."""
 
 
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process dies, even by SIGKILL
+    (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so no worker trains on without its launcher. SIGTERM makes a
+    training process save a checkpoint and stop."""
+    parent = os.getpid()
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - not Linux
+            return
+        if os.getppid() != parent:  # the parent died before the call: act as if it had been armed
+            os.kill(os.getpid(), int(sig))
+
+    return arm if sys.platform.startswith("linux") else None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -49,7 +69,7 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
             LORDO_LAUNCHED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))  # M processes share the cores
-        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=die_with_parent()))
     received: list[int] = []
 
     def forward(signum, frame) -> None:

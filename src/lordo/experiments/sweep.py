@@ -51,6 +51,7 @@ from typing import Any
 from ..config import build_config, load_toml, tomllib
 from ..errors import ConfigError, Stopped
 from ..files import read_json, write_json
+from ..launch import die_with_parent
 
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a training run that saved a checkpoint and stopped
 
@@ -173,7 +174,8 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
                 return
             log(f"[{i + 1}/{len(points)}] {point.name}: running")
             (folder / "failed.json").unlink(missing_ok=True)
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=die_with_parent())
             running.add(proc)
         _, stderr = proc.communicate()
         with lock:
