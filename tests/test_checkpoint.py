@@ -393,3 +393,18 @@ def test_an_allocator_refusal_is_a_message_not_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_train", lambda args: (_ for _ in ()).throw(RuntimeError("a bug, not memory")))
     with pytest.raises(RuntimeError, match="a bug, not memory"):  # other errors are not hidden
         cli.main(["train", "--steps", "1"])
+
+
+def test_the_last_good_checkpoint_named_in_messages_is_an_intact_one(data_dir, tmp_path):
+    """A newest checkpoint damaged on disk is not "the last good checkpoint" a message names (a resume would
+    skip it too): the newest one whose files match their checksums is."""
+    from lordo.train.checkpoint import Checkpointer
+
+    quiet_train(cfg_for(data_dir, "lordo", steps=10, extra=["train.checkpoint_every=5"]), tmp_path)
+    shared = tmp_path / "checkpoints" / "step-00000010" / "shared.pt"
+    shared.write_bytes(shared.read_bytes()[:-10])
+    checkpoints = Checkpointer(tmp_path, None, keep=2)
+    assert checkpoints.latest_step_name().endswith("step-00000010")
+    assert checkpoints.latest_intact_name().endswith("step-00000005")
+    (tmp_path / "checkpoints" / "step-00000005" / "meta.json").write_text("{")
+    assert checkpoints.latest_intact_name() is None

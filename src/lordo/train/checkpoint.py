@@ -41,6 +41,20 @@ class CheckpointError(LordoError):
     """A checkpoint cannot be written or read."""
 
 
+def _intact(folder: Path) -> bool:
+    """Whether ``folder``'s meta.json reads and every tensor file matches the checksum beside it."""
+    try:
+        Checkpointer.read_meta(folder)
+        files = sorted(folder.glob("*.pt"))
+        for path in files:
+            expected = path.with_name(path.name + ".sha256").read_text().strip()
+            if hashlib.sha256(path.read_bytes()).hexdigest() != expected:
+                return False
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        return False
+    return bool(files)
+
+
 def _save_tensor_file(path: Path, obj: Any) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -208,6 +222,14 @@ class Checkpointer:
     def latest_step_name(self) -> str | None:
         dirs = self.complete_dirs()
         return str(dirs[-1]) if dirs else None
+
+    def latest_intact_name(self) -> str | None:
+        """The newest checkpoint whose files all match their checksums (what a resume would load here), for
+        messages that name the last good one; None if there is none."""
+        for folder in reversed(self.complete_dirs()):
+            if _intact(folder):
+                return str(folder)
+        return None
 
     def has_checkpoint(self) -> bool:
         return bool(self.complete_dirs())

@@ -486,7 +486,7 @@ class Trainer:
             )
 
     def _last_good(self) -> str:
-        return self.checkpoints.latest_step_name() or "none (no checkpoint was saved yet)"
+        return self.checkpoints.latest_intact_name() or "none (no intact checkpoint was saved yet)"
 
     def _write_config(self) -> None:
         resolved = dict(self.config_dict)

@@ -96,7 +96,7 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
             atomic_write(trainer.out / "model.pt", buffer.getvalue())
             write_json(trainer.out / "summary.json", summary)
         except WriteError as exc:
-            latest = trainer.checkpoints.latest_step_name()
+            latest = trainer.checkpoints.latest_intact_name()
             kept = f"; the checkpoint {latest} is intact: free space and rerun with --resume {trainer.out}" if latest else ""
             raise WriteError(f"{exc}{kept}") from None
     return summary
