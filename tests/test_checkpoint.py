@@ -315,6 +315,14 @@ def test_a_config_written_before_a_field_existed_resumes_with_its_old_behaviour(
     assert config_differences(older, current) == []
     current["strategy"]["error_feedback_after_qh"] = "remove"
     assert config_differences(older, current) == ["strategy.error_feedback_after_qh: 'keep' in the checkpoint, 'remove' now"]
+    # saved before lowrank_term, average_error_feedback and basis_method = auto existed: the same computation
+    current = build_config(overrides=['strategy.name="lordo"']).to_dict()
+    older = json.loads(json.dumps(current))
+    del older["strategy"]["lowrank_term"], older["strategy"]["average_error_feedback"]
+    older["strategy"]["basis_method"] = "subspace"  # the explicit default of that time
+    assert current["strategy"]["basis_method"] == "auto" and config_differences(older, current) == []
+    older["strategy"]["name"] = current["strategy"]["name"] = "lordo-local"  # auto is svd for it now: a change
+    assert config_differences(older, current) == ["strategy.basis_method: 'subspace' in the checkpoint, 'svd' now"]
 
 
 def test_stray_folders_beside_the_checkpoints_are_ignored_with_a_warning(data_dir, tmp_path):

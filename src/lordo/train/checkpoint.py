@@ -330,13 +330,26 @@ ADDED_FIELDS = {
     ("strategy", "offload_anchor"): False,
     ("strategy", "sync_delay"): 0,
     ("comm", "medium"): "switched",
+    ("strategy", "lowrank_term"): "adam",
+    ("strategy", "average_error_feedback"): False,
 }
+
+
+def _resolved_basis_method(config: dict) -> dict:
+    """``strategy.basis_method = auto`` as the method it stands for (what decides the trajectory), so that a
+    checkpoint saved with the explicit value, before auto existed, resumes."""
+    strategy = config.get("strategy", {})
+    if strategy.get("basis_method") != "auto":
+        return config
+    method = "svd" if strategy.get("name") == "lordo-local" else "subspace"
+    return {**config, "strategy": {**strategy, "basis_method": method}}
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
     """Fields (section.key: saved → current) that differ and may not change on resume. A field the saved
     config lacks because it was added later counts as the value that behaves as before (``ADDED_FIELDS``)."""
     out = []
+    saved, current = _resolved_basis_method(saved), _resolved_basis_method(current)
     for section, body in current.items():
         if section == "derived" or not isinstance(body, dict):
             continue
