@@ -35,7 +35,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
     comm = TorchFTCommunicator(cfg["workers"], replica, lighthouse=cfg["lighthouse"], min_workers=cfg["min_workers"],
                                timeout_s=10, quorum_timeout_s=120)
-    opt = lordo.distributed(model, cfg["strategy"], backend=comm, lr=1e-2, rank=4, sync_every=cfg["sync_every"],
+    opt = lordo.distributed(model, cfg["strategy"], backend=comm, lr=cfg.get("lr", 1e-2), rank=4, sync_every=cfg["sync_every"],
                             **cfg.get("options", {}))
     if cfg.get("die_in_round_at"):  # killed inside a round: after the first collective of the one at that step
         reduce = comm._all_reduce_mean

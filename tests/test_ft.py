@@ -177,6 +177,70 @@ def test_without_a_lighthouse_the_error_says_how_to_start_one(monkeypatch):
         lordo.distributed(nn.Linear(8, 8), "lordo", backend="torchft")
 
 
+@pytest.mark.parametrize("address, message", [
+    ("localhost", r"must look like http://HOST:PORT, got 'localhost'"),
+    ("ftp://localhost:29510", r"must look like http://HOST:PORT"),
+    ("http://localhost:notaport", r"must look like http://HOST:PORT"),
+])
+def test_a_malformed_lighthouse_address_is_refused_at_once(address, message):
+    with pytest.raises(ConfigError, match=message):
+        TorchFTCommunicator(2, 0, lighthouse=address)
+
+
+def test_an_unreachable_lighthouse_is_named_within_seconds():
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"no Lighthouse answers at http://127.0.0.1:{port} .*start one there with "
+                                          rf"`torchft_lighthouse --min_replicas 1 --bind \[::\]:{port}`"):
+        TorchFTCommunicator(2, 0, lighthouse=f"http://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10
+
+
+def test_num_replica_groups_that_contradicts_the_workers_is_refused(monkeypatch, lighthouse):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "2")
+    with pytest.raises(ConfigError, match=r"\$NUM_REPLICA_GROUPS = 2 but dist.workers = 3"):
+        TorchFTCommunicator.from_env(workers=3)
+
+
+def test_a_worker_with_other_settings_cannot_join(lighthouse):
+    """What a joining worker compares with the state it receives: the settings that shape the trajectory,
+    named when they differ (an lr 6.7x the others' joined silently before)."""
+    comm = TorchFTCommunicator(2, 0, lighthouse=lighthouse)
+    try:
+        lordo.distributed(nn.Linear(8, 8), "lordo", backend=comm, rank=4, lr=0.02)
+        run = json.loads(json.dumps(comm.settings))
+        comm._check_settings(json.loads(json.dumps(run)))  # the same: nothing to say
+        run["optim"]["lr"] = 0.003
+        with pytest.raises(ConfigError, match=r"settings differ from those of the run it joins:\n  optim.lr: 0.003 in "
+                                              r"the run, 0.02 now"):
+            comm._check_settings(run)
+    finally:
+        comm.close()
+
+
+def test_workers_that_start_with_other_settings_are_refused(tmp_path):
+    """Two workers starting together, one at another learning rate: both refuse at join."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1500)
+    try:
+        base = dict(workers=2, lighthouse=server.address(), min_workers=2, strategy="lordo", sync_every=K, steps=8,
+                    out=str(tmp_path), incarnation=0)
+        procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(dict(base, replica=r, lr=lr))],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r, lr in ((0, 1e-2), (1, 2e-2))]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        server.shutdown()
+    for p, text in zip(procs, outputs):
+        assert p.returncode != 0 and "the workers start with different settings" in text, text[-2000:]
+
+
 def test_the_example_trains_two_workers(lighthouse, data_dir):
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2", "TORCHFT_MIN_REPLICAS": "2",
            "OMP_NUM_THREADS": "1"}

@@ -83,6 +83,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
             )
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
+        if comm.fault_tolerant:  # a worker that joins compares its settings with the run's (comm/ft.py)
+            from .train.checkpoint import config_differences, trajectory_settings
+
+            settings = trajectory_settings(cfg.to_dict())
+            settings["dist"].pop("workers", None)  # each worker's own count may be 1 (from the environment)
+            comm.settings, comm.compare_settings = settings, config_differences
         check_sharded_models(self.models, comm)
         # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
         # a sharded model's ranks each send their shards). Which replicas it changed is remembered: a state

@@ -203,6 +203,10 @@ class Communicator(ABC):
             self.background = False
 
     fault_tolerant = False  # True: rounds can fail and be run again (torchft)
+    # fault-tolerant backends: the settings that shape the trajectory and how to compare two of them (a list
+    # of differences), set by DistributedOptimizer, so that a worker with other settings cannot join
+    settings: dict[str, Any] | None = None
+    compare_settings: Callable[[dict, dict], list[str]] | None = None
 
     def round(self, kind: str, fn, strategy, resume_at: int):
         """Run ``fn``, a synchronisation's collectives and updates, as one round (``kind``: sync, final,

@@ -18,7 +18,11 @@ non-finite checks) stays local here: a per-step collective over a link that may 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
 import os
+import socket
+import urllib.parse
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +44,24 @@ def _torchft():
     except ImportError as exc:
         raise ConfigError("backend 'torchft' needs the torchft package: pip install 'lordo[ft]'") from exc
     return torchft.Manager, ProcessGroupGloo
+
+
+def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
+    """The Lighthouse's address is ``http://HOST:PORT`` and something listens there; a clear error otherwise
+    (torchft itself fails only after its quorum timeout, with a traceback)."""
+    parsed = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+        raise ConfigError(f"${ENV_LIGHTHOUSE} (the Lighthouse's address) must look like http://HOST:PORT, got {address!r}")
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"no Lighthouse answers at {address} ({exc.strerror or exc}): start one there with "
+                          f"`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`, or set ${ENV_LIGHTHOUSE} to the one "
+                          "the other workers use (docs/multi-node.md)") from None
 
 
 class TorchFTCommunicator(Communicator):
@@ -65,6 +87,7 @@ class TorchFTCommunicator(Communicator):
         if not lighthouse:
             raise ConfigError(f"backend 'torchft' needs a Lighthouse: set ${ENV_LIGHTHOUSE} (e.g. http://host:29510) or "
                               "pass lighthouse=; start one with `torchft_lighthouse --min_replicas 2` (docs/multi-node.md)")
+        check_lighthouse(lighthouse)
         manager_cls, pg_cls = _torchft()
         import torch.distributed as dist
 
@@ -85,12 +108,18 @@ class TorchFTCommunicator(Communicator):
         self._current: tuple[str, int] = ("start", 0)
         self._received: dict[str, Any] | None = None
         self._in_round = False  # collectives only inside a round, where a quorum stands
+        self.settings = None  # Communicator.settings: a worker with other settings is refused when it joins
+        self.compare_settings = None
 
     @classmethod
     def from_env(cls, workers: int = 1, timeout_s: float = 60.0) -> TorchFTCommunicator:
         """From the environment torchft's launchers set: ``$REPLICA_GROUP_ID``, ``$NUM_REPLICA_GROUPS`` (else
         ``workers``), ``$TORCHFT_LIGHTHOUSE``; ``$TORCHFT_MIN_REPLICAS`` (default 1) workers make a quorum."""
         values = {}
+        given = os.environ.get(ENV_REPLICAS)
+        if given is not None and workers > 1 and given.strip() != str(workers):
+            raise ConfigError(f"${ENV_REPLICAS} = {given} but dist.workers = {workers}: they name the number of workers "
+                              f"of this run; set one of them (or both alike)")
         for key, default in ((ENV_REPLICA, None), (ENV_REPLICAS, workers if workers > 1 else None), (ENV_MIN, 1)):
             raw = os.environ.get(key, default)
             if raw is None:
@@ -110,7 +139,7 @@ class TorchFTCommunicator(Communicator):
     def _offer(self) -> dict[str, Any]:
         """Called by torchft (on its quorum thread) when a peer recovers from this worker."""
         kind, resume_at = self._current
-        return {"state": self._committed, "kind": kind, "resume_at": resume_at}
+        return {"state": self._committed, "kind": kind, "resume_at": resume_at, "settings": self.settings}
 
     def _receive(self, state: dict[str, Any]) -> None:
         self._received = state
@@ -165,12 +194,16 @@ class TorchFTCommunicator(Communicator):
                 same = self._same_start(strategy)
                 self._in_round = False
                 if self.manager.should_commit():
+                    if same == "settings":
+                        raise ConfigError("the workers start with different settings (of those that shape the "
+                                          "trajectory: learning rate, strategy, model, ...); compare their config.json")
                     if not same:
                         raise ConfigError("the workers start from different weights: build every replica from the "
                                           "same seed (under torchft nothing broadcasts worker 0's weights)")
                     self._commit(strategy, "start", attempt)
                     return strategy.steps_done
                 continue
+            self._check_settings(received.get("settings"))
             strategy.restore(received["state"])
             strategy.forget_own_errors()
             self.contributing = False
@@ -187,11 +220,27 @@ class TorchFTCommunicator(Communicator):
                 return strategy.steps_done
         raise CommError(f"could not join the run after {self.attempts} attempts")
 
+    def _check_settings(self, theirs: dict | None) -> None:
+        """Refuse to join a run whose settings differ from this worker's, naming the keys."""
+        if theirs is None or self.settings is None or self.compare_settings is None:
+            return
+        differences = self.compare_settings(theirs, self.settings)
+        if differences:
+            lines = "\n  ".join(d.replace("in the checkpoint", "in the run") for d in differences)
+            raise ConfigError(f"this worker's settings differ from those of the run it joins:\n  {lines}\nstart it "
+                              "with the run's settings")
+
     @torch.no_grad()
-    def _same_start(self, strategy) -> bool:
+    def _same_start(self, strategy) -> bool | str:
+        """Whether every worker starts from the same weights (and settings: a digest of them, 48 bits, exact
+        in float64); "settings" if the settings differ."""
         mine = torch.stack([p.detach().double().sum() for p in strategy.workers[0].params])
-        mean = mine.clone()
-        self._all_reduce_mean([[mean]])
+        text = json.dumps(self.settings, sort_keys=True, default=str)
+        digest = torch.tensor([float(int(hashlib.sha256(text.encode()).hexdigest()[:12], 16))], dtype=torch.float64)
+        mean, digests = mine.clone(), digest.clone()
+        self._all_reduce_mean([[mean, digests]])
+        if not torch.equal(digests, digest):
+            return "settings"
         return bool(torch.allclose(mean, mine, rtol=1e-9, atol=1e-12))
 
     # --- collectives ---------------------------------------------------------------------------------

@@ -345,6 +345,14 @@ def _resolved_basis_method(config: dict) -> dict:
     return {**config, "strategy": {**strategy, "basis_method": method}}
 
 
+def trajectory_settings(config: dict) -> dict:
+    """The settings of ``config`` that shape the trajectory: what may not differ between a checkpoint and its
+    resume, or between the workers of one torchft run (``RESUMABLE_CHANGES`` and ``derived`` left out)."""
+    config = _resolved_basis_method(config)
+    return {section: {k: v for k, v in body.items() if (section, k) not in RESUMABLE_CHANGES}
+            for section, body in config.items() if section != "derived" and isinstance(body, dict)}
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
     """Fields (section.key: saved → current) that differ and may not change on resume. A field the saved
     config lacks because it was added later counts as the value that behaves as before (``ADDED_FIELDS``)."""
