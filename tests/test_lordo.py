@@ -426,3 +426,20 @@ def test_the_least_squares_toy_stays_bounded_only_clipped():
     (_, end), warned = _least_squares_toy(clip=0.5)
     assert end[0] < 0.01 and end[1] < 0.1
     assert not any("grad_clip" in w for w in warned)
+
+
+def test_diloco_is_local_adam_with_diloco_outer_nesterov_unless_set():
+    """``diloco``: local AdamW steps, then an outer Nesterov SGD step with DiLoCo's 0.7 and 0.9 on the averaged
+    pseudo-gradient (the trajectory of local-adam given those settings); explicit outer settings win."""
+    models, strategy, _ = make("diloco")
+    (group,) = strategy.outer.param_groups
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
+    reference_models, reference, _ = make("local-adam", ["strategy.outer_lr=0.7", "strategy.outer_momentum=0.9"])
+    for m, r in zip(models, reference_models):
+        r.load_state_dict(m.state_dict())
+    train_steps(models, strategy, 0, 7)
+    train_steps(reference_models, reference, 0, 7)
+    for a, b in zip(models[0].parameters(), reference_models[0].parameters()):
+        assert torch.equal(a, b)
+    _, explicit, _ = make("diloco", ["strategy.outer_lr=0.5", "strategy.outer_momentum=0.8"])
+    assert (explicit.outer.param_groups[0]["lr"], explicit.outer.param_groups[0]["momentum"]) == (0.5, 0.8)

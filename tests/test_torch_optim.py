@@ -2,6 +2,11 @@
 Hugging Face Trainer and Lightning. References are torch's own AdamW (``ddp`` on one worker with no clipping
 is AdamW exactly) and the uninterrupted run."""
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -252,3 +257,50 @@ def test_a_mid_round_resume_built_first_then_loaded_continues_bit_for_bit(tmp_pa
         assert not torch.equal(next(ms[0].parameters()), next(ms[1].parameters()))  # mid-round again at step 8
     for a, b in zip([p for m in models for p in m.parameters()], [p for m in again for p in m.parameters()]):
         assert torch.equal(a, b)
+
+
+def test_the_with_block_finishes_and_a_forgotten_finish_is_reported_at_exit():
+    models = [tiny_lm(), tiny_lm()]
+    with lordo.distributed(models, "lordo", rank=4, sync_every=3, backend="sim") as opt:
+        for step in range(4):  # one step past the sync of step 3
+            for rank, m in enumerate(models):
+                loss_of(m, step, rank).backward()
+            opt.step()
+        assert not opt.in_sync
+    assert opt.in_sync and all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    script = textwrap.dedent("""
+        import torch, lordo
+        from test_torch_optim import tiny_lm, loss_of
+        models = [tiny_lm(), tiny_lm()]
+        opt = lordo.distributed(models, "local-adam", sync_every=3, backend="sim")
+        for step in range(STEPS):
+            for rank, m in enumerate(models):
+                loss_of(m, step, rank).backward()
+            opt.step()
+        FINISH
+    """)
+    for steps, finish, warned in ((4, "", True), (4, "opt.finish()", False), (3, "", False)):
+        code = script.replace("STEPS", str(steps)).replace("FINISH", finish)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parent)
+        assert done.returncode == 0, done.stderr
+        said = "ended 1 step(s) after its last synchronisation without opt.finish()" in done.stderr
+        assert said == warned, (steps, finish, done.stderr)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=0.0), r"lr must be a number > 0, or None for the strategy's default, got 0.0"),
+    (dict(betas=(0.9,)), r"betas must be a pair \(beta1, beta2\)"),
+    (dict(betas=(0.9, 0.99), beta1=0.8), r"give betas=\(beta1, beta2\) or beta1=/beta2=, not both"),
+])
+def test_torch_style_arguments_are_taken_or_refused_by_name(kwargs, message):
+    with pytest.raises(lordo.ConfigError, match=message):
+        lordo.distributed(tiny_lm(), "lordo", rank=4, backend="sim", **kwargs)
+    opt = lordo.distributed(tiny_lm(), "lordo", rank=4, backend="sim", betas=(0.8, 0.95))
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95) and opt.param_groups[0]["lr"] == 3e-3
+
+
+def test_a_model_wrapped_in_ddp_is_refused():
+    wrapped = nn.DataParallel(tiny_lm())
+    with pytest.raises(lordo.ConfigError, match=r"wrapped in DistributedDataParallel .* pass the module itself"):
+        lordo.distributed(wrapped, "lordo", rank=4, backend="sim")

@@ -18,8 +18,10 @@ replicas, simulates that many workers in-process. ``lordo train`` drives the sam
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,6 +53,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     in them (``lr``, ``weight_decay``, ``betas``, ...) is what the next step uses. ``GradScaler.step(opt)``
     works: gradients are unscaled here, and a step with inf/NaN gradients on any worker is skipped on every
     worker. Build it with :func:`distributed`; ``lordo train`` builds it from a :class:`~lordo.config.Config`.
+    End training with :meth:`finish` (every worker then holds the common model), or train inside
+    ``with lordo.distributed(...) as opt:``, which finishes at the end of the block; an optimizer left between
+    synchronisations at exit is reported on stderr (``check_finish=False`` turns that off).
 
     A scheduler and mixed precision, as with any torch optimizer (docs/integrations.md runs this pattern)::
 
@@ -76,6 +81,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm: Communicator,
         groups: Sequence[Sequence[ParamGroup]] | None = None,
         owns_comm: bool = False,
+        check_finish: bool = True,
     ) -> None:
         self.models = list(models)
         if len(self.models) != len(comm.local_ranks):
@@ -111,6 +117,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._building = True
         super().__init__(mirrored, defaults=dict(inner[0].defaults))  # schedulers read betas, momentum there
         self._building = False
+        if check_finish:  # checked at exit: a forgotten finish() leaves every worker with its own model
+            _LIVE.add(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
@@ -295,12 +303,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._owns_comm:
             self.comm.close()
 
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """``with lordo.distributed(...) as opt:``: at the end of the block, :meth:`finish` (unless an exception
+        ends it: a collective then could wait on a failed peer) and :meth:`close`."""
+        try:
+            if exc_type is None:
+                self.finish()
+        finally:
+            self.close()
+
     def __repr__(self) -> str:
         s = self.cfg.strategy
         return (
             f"DistributedOptimizer(strategy={s.name!r}, workers={self.comm.world_size}, "
             f"hosted={len(self.models)}, rank={s.rank}, sync_every={s.sync_every}, omega={s.omega})"
         )
+
+
+_LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _warn_unfinished() -> None:
+    """At interpreter exit: say so if an optimizer stopped between synchronisations without finish()."""
+    for opt in list(_LIVE):
+        try:
+            if opt.in_sync:
+                continue
+            behind = opt.steps_done - getattr(opt.strategy, "synced_at", 0)
+        except Exception:  # noqa: BLE001 - never fail at exit
+            continue
+        print(f"lordo: warning: a DistributedOptimizer ({opt.cfg.strategy.name}) ended {behind} step(s) after its last "
+              "synchronisation without opt.finish(): each worker holds its own model, not the common one. Call "
+              "opt.finish() at the end of training, or train inside `with lordo.distributed(...) as opt:`",
+              file=sys.stderr)
 
 
 @torch.no_grad()
@@ -332,12 +371,13 @@ def distributed(
 ) -> DistributedOptimizer:
     """Wrap ``model`` (this process's replica) in a distributed optimizer.
 
-    ``strategy``: one of ``ddp``, ``local-adam``, ``lordo``, ``lordo-global-noqh``, ``lordo-local``,
+    ``strategy``: one of ``ddp``, ``local-adam``, ``diloco``, ``lordo``, ``lordo-global-noqh``, ``lordo-local``,
     ``lowrank-ddp``. ``lr``: every parameter group's initial learning rate (a torch LR scheduler or
-    ``step(lr=...)`` changes it); default: the strategy's (3e-3; 6e-3 for lordo-global-noqh: tuned on a
+    ``step(lr=...)`` changes it); None (the default): the strategy's (3e-3; 6e-3 for lordo-global-noqh: tuned on a
     1.4M-parameter model over 2,000 steps; tune it for yours). ``options``: any ``strategy.*`` key (``rank``, ``sync_every``, ``omega``,
     ``error_feedback``, ``basis_method``, ``average_moments``, ``outer_lr``, ``lowrank_pattern``, ...) or
-    ``optim.*`` key (``weight_decay``, ``beta1``, ``beta2``, ``eps``, ``grad_clip``), with the defaults and
+    ``optim.*`` key (``weight_decay``, ``beta1``, ``beta2`` or torch's ``betas=(b1, b2)``, ``eps``, ``grad_clip``),
+    with the defaults and
     allowed values that ``lordo train --help`` lists (docs/cli.md). Values are validated like the config
     file's: a bad one raises :class:`ConfigError` naming it. Gradients are clipped to ``grad_clip`` (0.5
     by default; 0 disables), so do not clip them yourself.
@@ -393,6 +433,12 @@ def _replicas(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
         raise ConfigError("model must be an nn.Module, or a non-empty list of replicas for the simulator")
     if next(models[0].parameters(), None) is None:
         raise ConfigError("the model has no parameters")
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, (DistributedDataParallel, nn.DataParallel)) for m in models):
+        raise ConfigError("the model is wrapped in DistributedDataParallel (or DataParallel), which averages gradients "
+                          "every step behind lordo's back: pass the module itself (model.module); lordo does the "
+                          "communication")
     return models
 
 
@@ -404,7 +450,16 @@ def _option_tree(strategy: str, lr: float | None, timeout_s: float, ranks_per_wo
         raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if not (isinstance(ranks_per_worker, int) and ranks_per_worker >= 1):
         raise ConfigError(f"ranks_per_worker must be an integer >= 1, got {ranks_per_worker!r}")
-    tree: dict[str, dict[str, Any]] = {"optim": {"lr": lr or 0.0}, "strategy": {"name": strategy},
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+        raise ConfigError(f"lr must be a number > 0, or None for the strategy's default, got {lr!r}")
+    if "betas" in options:  # torch.optim's spelling of beta1 and beta2
+        betas = options.pop("betas")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ConfigError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        if "beta1" in options or "beta2" in options:
+            raise ConfigError("give betas=(beta1, beta2) or beta1=/beta2=, not both")
+        options = {**options, "beta1": betas[0], "beta2": betas[1]}
+    tree: dict[str, dict[str, Any]] = {"optim": {"lr": 0.0 if lr is None else lr}, "strategy": {"name": strategy},
                                        "dist": {"timeout_s": timeout_s, "ranks_per_worker": ranks_per_worker}}
     for key, value in options.items():
         if key in _STRATEGY_KEYS:

@@ -226,7 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-dir", metavar="DIR", help="data folder (data.dir, default ./data)")
     t.add_argument(
         "--strategy", metavar="NAME",
-        help="strategy.name: lordo (the default), ddp, local-adam, lordo-global-noqh, lordo-local, lowrank-ddp",
+        help="strategy.name: lordo (the default), ddp, local-adam, diloco, lordo-global-noqh, lordo-local, lowrank-ddp",
     )
     t.add_argument("--workers", type=int, metavar="M", help="dist.workers: number of data-parallel workers")
     t.add_argument("--backend", metavar="B", help="dist.backend: auto, sim, gloo, nccl or torchft")

@@ -190,8 +190,8 @@ class TrainConfig(_Section):
 # The strategies by name, with the learning rate optim.lr = 0 resolves to: the better of {3e-3, 6e-3} for each
 # on micro at 2,000 steps (docs/results.md; at 200 steps the low-rank strategies preferred 6e-3).
 # strategies.build has a builder for each name.
-DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "lordo": 3e-3, "lordo-global-noqh": 6e-3, "lordo-local": 3e-3,
-              "lowrank-ddp": 3e-3}
+DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "diloco": 3e-3, "lordo": 3e-3, "lordo-global-noqh": 6e-3,
+              "lordo-local": 3e-3, "lowrank-ddp": 3e-3}  # diloco: local-adam's inner rate, not tuned for it
 STRATEGY_NAMES = tuple(DEFAULT_LR)
 
 
@@ -199,7 +199,8 @@ STRATEGY_NAMES = tuple(DEFAULT_LR)
 class StrategyConfig(_Section):
     _name = "strategy"
     name: str = _f("lordo", "what happens after backward: ddp (AdamW on the averaged gradient every step), "
-                   "local-adam (K local AdamW steps, then average; DiLoCo / DES-LOC), lordo (global low-rank basis + "
+                   "local-adam (K local AdamW steps, then average: Local Adam / DES-LOC), diloco (local-adam with DiLoCo's outer "
+                   "Nesterov momentum: outer_lr 0.7, outer_momentum 0.9 unless set), lordo (global low-rank basis + "
                    "full-rank QH term), lordo-global-noqh (omega = 1), lordo-local (per-worker bases), "
                    "lowrank-ddp (projected gradients all-reduced every step)", _choice(*STRATEGY_NAMES))
     sync_every: int = _f(32, "K: local steps between synchronisations (lowrank-ddp: steps between basis refreshes)",

@@ -141,10 +141,10 @@ class Strategy(ABC):
         check_number("grad_clip", grad_clip)
         if comm.fault_tolerant and not self.recoverable:
             raise ConfigError(f"strategy {self.name!r} communicates at every step; a fault-tolerant backend (torchft) "
-                              "runs the local-update strategies: local-adam, lordo, lordo-local, lordo-global-noqh")
+                              "runs the local-update strategies: local-adam, diloco, lordo, lordo-local, lordo-global-noqh")
         if sharded_names(models) and not self.shardable:
             raise ConfigError(f"strategy {self.name!r} averages gradients between workers every step; a model sharded "
-                              "over each worker's ranks (FSDP2) runs the local-update strategies: local-adam, lordo, "
+                              "over each worker's ranks (FSDP2) runs the local-update strategies: local-adam, diloco, lordo, "
                               "lordo-local, lordo-global-noqh")
         self.comm, self.grad_clip = comm, float(grad_clip)
         self.workers = check_workers(models, comm, optimizers)

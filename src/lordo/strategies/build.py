@@ -103,11 +103,23 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
     )
 
 
+DILOCO_OUTER = (0.7, 0.9)  # DiLoCo's outer learning rate and Nesterov momentum
+
+
+def outer_settings(s: StrategyConfig) -> tuple[float, float]:
+    """(outer_lr, outer_momentum): as set; for ``diloco`` left at the generic defaults (1, 0: averaging),
+    DiLoCo's (0.7, 0.9)."""
+    if s.name == "diloco" and (s.outer_lr, s.outer_momentum) == (1.0, 0.0):
+        return DILOCO_OUTER
+    return s.outer_lr, s.outer_momentum
+
+
 def outer_optimizer(s: StrategyConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     """SGD over the anchor: lr ``outer_lr``, optional (Nesterov) momentum; lr 1 without momentum is averaging."""
+    lr, momentum = outer_settings(s)
+
     def build(anchor: list[torch.Tensor]) -> torch.optim.Optimizer:
-        momentum = s.outer_momentum
-        return torch.optim.SGD(anchor, lr=s.outer_lr, momentum=momentum, nesterov=s.outer_nesterov and momentum > 0)
+        return torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=s.outer_nesterov and momentum > 0)
     return build
 
 
@@ -159,6 +171,7 @@ def _lowrank_ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Com
 BUILDERS: dict[str, Callable[[Config, list[nn.Module], Groups, Communicator], Strategy]] = {
     "ddp": _ddp,
     "local-adam": _local_adam,
+    "diloco": _local_adam,  # local-adam with DiLoCo's outer Nesterov momentum (outer_settings)
     "lordo": _lordo,
     "lordo-global-noqh": lambda cfg, m, g, c: _lordo(cfg, m, g, c, omega=1.0),
     "lordo-local": lambda cfg, m, g, c: _lordo(cfg, m, g, c, local=True),

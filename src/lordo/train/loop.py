@@ -207,7 +207,7 @@ class Trainer:
         check_fits(cfg, self.data.vocab_size, len(comm.local_ranks), device)
         self.models = [self._new_model(weights) for _ in comm.local_ranks]
         # identical seeds give identical replicas; the optimizer broadcasts worker 0's parameters anyway
-        self.optimizer = DistributedOptimizer(self.models, cfg, comm)
+        self.optimizer = DistributedOptimizer(self.models, cfg, comm, check_finish=False)  # the loop finishes
         self.forwards = [torch.compile(m) if t.compile else m for m in self.models]
         # every rank reads its own shard of the data (several per worker when a worker is a group of ranks)
         self.samplers = [BatchSampler(self.data.train, cfg.model.seq_len, t.batch_size, t.seed, shard, shards)
