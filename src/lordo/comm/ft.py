@@ -38,6 +38,9 @@ ENV_MIN = "TORCHFT_MIN_REPLICAS"
 
 
 def _torchft():
+    # torchft's Rust side logs every quorum at INFO (~50 lines per 48 steps): warnings only, unless the user
+    # asks (RUST_LOG=info); read when torchft is first imported
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft
         from torchft.process_group import ProcessGroupGloo

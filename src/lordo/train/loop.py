@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import signal
 import sys
 import threading
@@ -84,6 +85,11 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
     t, d = cfg.train, cfg.dist
     if t.threads:
         torch.set_num_threads(t.threads)
+    elif d.backend == "torchft" and "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) > 1:
+        # a torchft worker is started on its own: nothing divides the cores among the workers of one machine
+        log(f"note: this torchft worker uses all {os.cpu_count()} cores (torch's default); with several workers on "
+            "one machine give each its share, --set train.threads=CORES/WORKERS: two workers on 2 cores trained "
+            "4.6x faster with one thread each (docs/multi-node.md)")
     device = resolve_device(t.device)
     comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker, d.shard)
     clean = False
