@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -416,3 +417,30 @@ def test_the_last_good_checkpoint_named_in_messages_is_an_intact_one(data_dir, t
     assert checkpoints.latest_intact_name().endswith("step-00000005")
     (tmp_path / "checkpoints" / "step-00000005" / "meta.json").write_text("{")
     assert checkpoints.latest_intact_name() is None
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_keeps_elapsed_eta_and_the_last_validation_on_screen():
+    """Off a terminal: plain lines with elapsed time and ETA, the last val_ppl carried on every line; on a
+    terminal: a tqdm bar whose postfix keeps the last val_ppl, each evaluation also written as its own line."""
+    from lordo.train.metrics import Progress
+
+    plain = io.StringIO()
+    progress = Progress(10, plain, every=5)
+    progress.update(5, "loss 3.000", val_ppl=40.0, force=True)
+    progress.update(10, "loss 2.500")
+    lines = plain.getvalue().splitlines()
+    assert re.fullmatch(r"step  5/10  loss 3.000  val_ppl 40.0  \[00:0\d elapsed, ETA 00:0\d\]", lines[0]), lines
+    assert lines[1].startswith("step 10/10  loss 2.500  val_ppl 40.0  [") and "ETA 00:00]" in lines[1]
+    screen = _Terminal()
+    progress = Progress(10, screen, every=5)
+    progress.update(4, "loss 3.100", val_ppl=41.5)
+    progress.update(6, "loss 3.000")
+    progress.close()
+    text = screen.getvalue()
+    assert "step 4/10  val_ppl 41.50\n" in text  # the evaluation as a line that stays
+    assert "step 6/10" in text and "loss 3.000  val_ppl 41.5" in text and "<" in text  # bar: elapsed<remaining

@@ -274,28 +274,31 @@ class Trainer:
 
     def _loop(self, metrics: MetricsWriter) -> None:
         t, start = self.cfg.train, self.state.step
-        progress = Progress(t.steps, self.stream, every=max(t.log_every, t.steps // 20))
+        progress = Progress(t.steps, self.stream, every=max(t.log_every, t.steps // 20), start=start, enabled=self.main)
         if start == 0:
             metrics.write({"step": 0, "tokens": 0, **self.evaluation(), "comm_bytes": 0, "comm_wire_bytes": 0})
         train_s_at_start = self.state.train_s
-        with _SignalFlag() as stop:
-            for step in range(start + 1, t.steps + 1):
-                stats, lr, stop_requested = self.train_step(step, stop.signum is not None)
-                row = self.metrics_row(step, lr, stats)
-                evaluated = step % t.eval_every == 0 or step == t.steps
-                if evaluated:  # a collective on every process when the workers' average is scored
-                    row.update({"step": step, "tokens": step * self.tokens_per_step, **self.evaluation()})
-                if row:
-                    # metrics.TIMING_FIELDS: seconds in training steps so far (loss against wall-clock), of which
-                    # the training thread waited for collectives
-                    row["train_s"], row["comm_blocked_s"] = self.state.train_s, self.comm.ledger.blocked_s
-                    row["comm_bytes"] = self.comm.ledger.total_bytes
-                    row["comm_wire_bytes"] = self.comm.ledger.total_wire_bytes
-                    metrics.write(row)
-                if row and self.main:
-                    tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
-                    progress.update(step, self._progress_text(row, lr, tps), force=evaluated)
-                self._checkpoint_if_due(step, stop_requested, stop.signum)
+        try:
+            with _SignalFlag() as stop:
+                for step in range(start + 1, t.steps + 1):
+                    stats, lr, stop_requested = self.train_step(step, stop.signum is not None)
+                    row = self.metrics_row(step, lr, stats)
+                    evaluated = step % t.eval_every == 0 or step == t.steps
+                    if evaluated:  # a collective on every process when the workers' average is scored
+                        row.update({"step": step, "tokens": step * self.tokens_per_step, **self.evaluation()})
+                    if row:
+                        # metrics.TIMING_FIELDS: seconds in training steps so far (loss against wall-clock), of which
+                        # the training thread waited for collectives
+                        row["train_s"], row["comm_blocked_s"] = self.state.train_s, self.comm.ledger.blocked_s
+                        row["comm_bytes"] = self.comm.ledger.total_bytes
+                        row["comm_wire_bytes"] = self.comm.ledger.total_wire_bytes
+                        metrics.write(row)
+                    if row and self.main:
+                        tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
+                        progress.update(step, self._progress_text(row, lr, tps), val_ppl=row.get("val_ppl"), force=evaluated)
+                    self._checkpoint_if_due(step, stop_requested, stop.signum)
+        finally:
+            progress.close()
         if start >= t.steps and (self.main or self.sharded):  # resumed a finished run: evaluate the final model again
             self.state.val_loss = evaluate(self.models[0], self.val, self.device)
 
@@ -407,8 +410,7 @@ class Trainer:
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
         # an evaluation step that is not a logging step has no training loss: say nothing rather than "nan"
         loss = f"loss {row['train_loss']:.3f}  " if "train_loss" in row else ""
-        text = f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"
-        return text + (f"  val_ppl {row['val_ppl']:.1f}" if "val_ppl" in row else "")
+        return f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"  # the last val_ppl: Progress keeps it
 
     # ---------------------------------------------------------------------------------- checkpoints, resume
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -64,19 +65,50 @@ def _tensorboard(out: Path, start: int):
     return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
+
+
 class Progress:
-    """A self-updating line on a terminal; plain periodic lines otherwise (logs, CI, pipes)."""
+    """The run's progress: on a terminal a tqdm bar (elapsed, ETA, the step's numbers and the last validation
+    perplexity kept on it; every evaluation also printed as a line of its own, so none is overwritten); off a
+    terminal (logs, CI, pipes) plain lines with elapsed time and ETA, every ``every`` steps, at evaluations, and
+    at least every ``at_least_s`` seconds."""
 
-    def __init__(self, total: int, stream: TextIO, every: int) -> None:
-        self.total, self.stream, self.every = total, stream, every
-        self.tty = stream.isatty()
-
-    def update(self, step: int, text: str, force: bool = False) -> None:
-        line = f"step {step:>{len(str(self.total))}}/{self.total}  {text}"
+    def __init__(self, total: int, stream: TextIO, every: int, start: int = 0, at_least_s: float = 30.0,
+                 enabled: bool = True) -> None:
+        self.total, self.stream, self.every, self.start, self.at_least_s = total, stream, every, start, at_least_s
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+        self.t0 = self.last = time.monotonic()
+        self.val_ppl: float | None = None
+        self.bar = None
         if self.tty:
-            self.stream.write("\r\033[K" + line)
-            if step == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
-        elif force or step % self.every == 0 or step == self.total:
-            print(line, file=self.stream, flush=True)
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True, leave=True,
+                            bar_format="step {n_fmt}/{total_fmt} {bar:20} [{elapsed}<{remaining}]{postfix}")
+
+    def update(self, step: int, text: str, val_ppl: float | None = None, force: bool = False) -> None:
+        if val_ppl is not None:
+            self.val_ppl = val_ppl
+        kept = f"  val_ppl {self.val_ppl:.1f}" if self.val_ppl is not None else ""
+        now = time.monotonic()
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(text + kept, refresh=True)
+            if val_ppl is not None:
+                self.bar.write(f"step {step}/{self.total}  val_ppl {val_ppl:.2f}", file=self.stream)
+            return
+        if force or step % self.every == 0 or step == self.total or now - self.last >= self.at_least_s:
+            elapsed = now - self.t0
+            done = step - self.start
+            eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+            print(f"step {step:>{len(str(self.total))}}/{self.total}  {text}{kept}  [{_clock(elapsed)} elapsed, "
+                  f"ETA {_clock(eta)}]", file=self.stream, flush=True)
+            self.last = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
