@@ -191,3 +191,16 @@ def test_shell_commands_run_or_parse(page, data_dir, tmp_path):
             done = subprocess.run([str(bin_dir / "lordo"), *argv[1:]], cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=600)
             assert done.returncode == 0, f"{page_id(page)}: {line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def test_every_bench_option_says_what_it_does():
+    """lordo bench step --help and the others: no option without a help text."""
+    import argparse
+
+    from lordo.bench import make_parser
+
+    parser = make_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"{name} {' / '.join(action.option_strings)}" for name, bench in sub.choices.items()
+               for action in bench._actions if action.option_strings and action.help in (None, "")]
+    assert not missing, missing
