@@ -648,3 +648,30 @@ def test_state_dtypes_survive_load_state_dict():
                 p.grad = g.clone()
                 o.step()
         assert torch.equal(w, w2)
+
+
+def test_torch_compile_of_the_step_runs_and_equals_the_eager_step():
+    """torch.compile(opt.step), the usual torch.optim idiom, on a model with rank groups: it runs (eagerly inside)
+    and gives the eager step's numbers; it failed with a dynamo guard error before."""
+    from torch import nn
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Linear(16, 40))
+        mats = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("0")]
+        rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and not n.startswith("0"))]
+        return model, LowRankQHAdam([{"params": mats, "rank": 4}, {"params": rest}], lr=1e-2, weight_decay=0.1)
+
+    runs = []
+    for compiled in (False, True):
+        model, opt = make()
+        step = torch.compile(opt.step) if compiled else opt.step
+        for i in range(4):
+            tokens = torch.randint(0, 40, (4, 9), generator=torch.Generator().manual_seed(i))
+            loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

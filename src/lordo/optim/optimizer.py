@@ -590,6 +590,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], omega=group["omega"],
             )
 
+    # torch.compile(opt.step) runs this step eagerly, a graph break (dynamo, tracing the host-side scalar math of
+    # the bias corrections, failed with "Guard failed on the same frame it was created"); for a compiled step use
+    # the group option compile=True, which compiles the batched update itself
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
