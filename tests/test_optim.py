@@ -675,3 +675,46 @@ def test_torch_compile_of_the_step_runs_and_equals_the_eager_step():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def _tiny_lm():
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16), nn.Linear(16, 40))
+
+
+def test_a_default_rank_trains_matrices_low_rank_and_the_rest_full_rank():
+    """LowRankQHAdam(model.parameters(), rank=4), as GaLore / HF users write it: the 1-D tensors (biases, norms)
+    go to a full-rank group of their own instead of being refused; the update of that group is QHAdam's."""
+    model = _tiny_lm()
+    opt = LowRankQHAdam(model.parameters(), rank=4, lr=1e-2)
+    assert [(g["rank"], len(g["params"])) for g in opt.param_groups] == [(4, 4), (None, 5)]
+    hf_style = LowRankQHAdam([{"params": [model[1].weight, model[1].bias], "weight_decay": 0.1},
+                              {"params": [model[2].weight], "weight_decay": 0.0}], rank=4)
+    assert [(g["rank"], g["weight_decay"], len(g["params"])) for g in hf_style.param_groups] == [
+        (4, 0.1, 1), (None, 0.1, 1), (None, 0.0, 1)]
+    with pytest.raises(ValueError, match=r"a low-rank group \(rank=4\) takes 2-D matrices only"):
+        LowRankQHAdam([{"params": [model[1].bias], "rank": 4}])  # a rank set on the group itself: as before
+
+
+def test_param_groups_picks_matrices_by_rule_or_target_modules():
+    import lordo
+
+    model = _tiny_lm()
+    default = lordo.param_groups(model, rank=4)  # GaLore's refresh schedule unless given
+    low = {id(p) for p in default[0]["params"]}
+    # the rule of lordo.distributed: Linear weights but not the output head over the vocabulary (40), no embedding
+    assert low == {id(model[1].weight), id(model[3].weight)} and default[0]["update_proj_gap"] == 200
+    assert default[1]["rank"] is None and len(default[1]["params"]) == 9 - 2
+    named = lordo.param_groups(model, rank=4, target_modules=["3."])
+    assert [id(p) for p in named[0]["params"]] == [id(model[3].weight)]  # 3.bias is 1-D: never low-rank
+    regex = lordo.param_groups(model, rank=4, target_modules=r"^(1|4)\.weight$")
+    assert {id(p) for p in regex[0]["params"]} == {id(model[1].weight), id(model[4].weight)}
+    with pytest.raises(ValueError, match=r"target_modules \['nothing'\] matches no 2-D parameter"):
+        lordo.param_groups(model, rank=4, target_modules=["nothing"])
+    opt = LowRankQHAdam(default, lr=1e-2)
+    tokens = torch.randint(0, 40, (4, 9))
+    torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt.step()
+    assert "basis" in opt.state[model[1].weight] and "basis" not in opt.state[model[4].weight]

@@ -69,7 +69,7 @@ def api_reference() -> str:
         f"lordo.__all__ == {sorted(lordo.__all__)!r}",
         "```",
     ]
-    order = ["distributed", "DistributedOptimizer", "worker_mesh", "LowRankQHAdam", "Config", "build_config", "STRATEGY_NAMES",
+    order = ["distributed", "DistributedOptimizer", "worker_mesh", "LowRankQHAdam", "param_groups", "Config", "build_config", "STRATEGY_NAMES",
              "LordoError", "ConfigError", "DataError", "NonFiniteError", "CommError"]
     missing = set(lordo.__all__) - set(order) - {"__version__"}
     if missing:

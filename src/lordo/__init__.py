@@ -4,7 +4,8 @@ The public surface (stable within a minor version) is what ``__all__`` lists:
 
 - :func:`distributed` / :class:`DistributedOptimizer`: LoRDO or a baseline strategy in your training loop;
   :func:`worker_mesh`: the ranks of this process's worker, to shard the model over them with FSDP2;
-- :class:`LowRankQHAdam`: the single-worker low-rank QH-Adam optimizer (``torch.optim.Optimizer``);
+- :class:`LowRankQHAdam`: the single-worker low-rank QH-Adam optimizer (``torch.optim.Optimizer``), and
+  :func:`param_groups`, its parameter groups built from a model (GaLore's / Hugging Face's target modules);
 - :class:`Config`, :func:`build_config`: the configuration behind ``lordo train`` (the trainer itself is
   ``lordo.train.loop.train``);
 - :data:`STRATEGY_NAMES`; the errors :class:`LordoError`, :class:`ConfigError`, :class:`DataError`,
@@ -15,6 +16,7 @@ from .api import DistributedOptimizer, distributed, worker_mesh
 from .comm.torch_dist import CommError
 from .config import STRATEGY_NAMES, Config, build_config
 from .errors import ConfigError, DataError, LordoError, NonFiniteError
+from .model.params import param_groups
 from .optim import LowRankQHAdam
 
 __version__ = "0.1.0"
@@ -33,5 +35,6 @@ __all__ = [
     "__version__",
     "build_config",
     "distributed",
+    "param_groups",
     "worker_mesh",
 ]

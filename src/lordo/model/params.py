@@ -7,7 +7,9 @@ unnoticed. The same rules decide, in later stages, which matrices are trained lo
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -128,3 +130,38 @@ def group_by_module(model: nn.Module) -> list[ParamGroup]:
         groups[group].names.append(name)
         groups[group].params.append(p)
     return [g for g in groups.values() if g.params]
+
+
+def param_groups(model: nn.Module, rank: int, target_modules: Sequence[str] | str | None = None,
+                 update_proj_gap: int | None = 200, **options: Any) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`~lordo.optim.LowRankQHAdam` used on its own, as GaLore and Hugging Face
+    users build them: ``[{"params": low-rank matrices, "rank": rank, **options}, {"params": the rest,
+    "rank": None}]``.
+
+    ``target_modules``: which matrices train low-rank, as Hugging Face's ``optim_target_modules``: a list of
+    substrings of parameter names (``["attn", "mlp"]``) or one regular expression; None (default): the rule
+    ``lordo.distributed`` uses (``nn.Linear`` weights, not output heads over the vocabulary, not embeddings).
+    Only 2-D parameters can be low-rank; ``update_proj_gap`` (default 200, GaLore's: each basis recomputed from
+    the gradient every 200 steps of its matrix; None: kept until you call ``refresh_basis``) and ``options``
+    (``scale``, ``omega``, ...) apply to the low-rank group."""
+    if target_modules is None:
+        chosen = {id(p) for g in group_by_module(model) if g.rule.group == "block_matrix" for p in g.params}
+    else:
+        if isinstance(target_modules, str):
+            try:
+                pattern = re.compile(target_modules)
+            except re.error as exc:
+                raise ValueError(f"target_modules is not a valid regular expression: {exc}") from None
+            match = lambda name: pattern.search(name) is not None  # noqa: E731
+        else:
+            names = list(target_modules)
+            match = lambda name: any(t in name for t in names)  # noqa: E731
+        chosen = {id(p) for n, p in model.named_parameters() if p.ndim == 2 and match(n)}
+    low = [p for p in model.parameters() if p.requires_grad and id(p) in chosen]
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    if not low:
+        raise ValueError(f"target_modules {target_modules!r} matches no 2-D parameter of the model")
+    groups = [{"params": low, "rank": rank, "update_proj_gap": update_proj_gap, **options}]
+    if rest:
+        groups.append({"params": rest, "rank": None})
+    return groups

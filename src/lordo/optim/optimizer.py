@@ -117,6 +117,11 @@ class LowRankQHAdam(torch.optim.Optimizer):
     full-rank term is divided by the low-rank moments' mean D, and unclipped it can outgrow the rest of the
     step when the gradient inside the bases shrinks faster than outside them (docs/concepts.md).
 
+    GaLore's group keys ``update_proj_gap``, ``scale`` and ``proj_type`` are also constructor defaults for every
+    group (Hugging Face's ``optimizer_cls_and_kwargs`` passes them so); a group that takes ``rank`` from the
+    defaults trains its 1-D tensors full-rank (:meth:`add_param_group`); :func:`lordo.param_groups` builds the
+    groups from a model.
+
     ``lowrank_term = "momentum"`` is the step of the authors' public research code (its ``GaLoreGlobal``): the
     back-projected bias-corrected momentum, not divided by √v̂ + ε, beside the full-rank term divided by the
     mean denominator. Its scale differs from Adam's (no per-coordinate normalisation): tune its learning rate.
@@ -161,6 +166,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
         batched: bool | None = None,
         compile: bool = False,
         lowrank_term: str = "adam",
+        update_proj_gap: int | None = None,
+        scale: float = 1.0,
+        proj_type: str = "std",
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -178,11 +186,29 @@ class LowRankQHAdam(torch.optim.Optimizer):
             batched=batched,
             compile=compile,
             lowrank_term=lowrank_term,
+            update_proj_gap=update_proj_gap,  # GaLore's keys (_check_galore_keys): as defaults for every group too
+            scale=scale,
+            proj_type=proj_type,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, with every option checked (a bad group is not added)."""
+        """torch's ``add_param_group``, with every option checked (a bad group is not added). A group that takes
+        its ``rank`` from the defaults (``LowRankQHAdam(model.parameters(), rank=4)``, or Hugging Face's decay /
+        no-decay groups) trains its matrices low-rank and its other tensors (biases, norms) full-rank: those are
+        split off into a group of their own with ``rank=None``. A group that sets ``rank`` itself takes
+        matrices only."""
+        if "rank" not in param_group and self.defaults.get("rank") is not None:
+            params = param_group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            matrices = [p for p in params if p.ndim == 2]
+            others = [p for p in params if p.ndim != 2]
+            if matrices and others:
+                self.add_param_group({**param_group, "params": matrices})
+                self.add_param_group({**param_group, "params": others, "rank": None})
+                return
+            if others:
+                param_group = {**param_group, "params": others, "rank": None}
         super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
