@@ -444,3 +444,19 @@ def test_progress_keeps_elapsed_eta_and_the_last_validation_on_screen():
     text = screen.getvalue()
     assert "step 4/10  val_ppl 41.50\n" in text  # the evaluation as a line that stays
     assert "step 6/10" in text and "loss 3.000  val_ppl 41.5" in text and "<" in text  # bar: elapsed<remaining
+
+
+def test_launch_mistakes_are_named_before_any_process_starts(monkeypatch, capsys):
+    from lordo.cli import main
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+    assert main(["train", "--backend", "sim", "--workers", "2", "--steps", "1"]) == 2
+    assert "simulates every worker in one process, but torchrun started 2 processes" in capsys.readouterr().err
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key)
+    if not torch.cuda.is_available():
+        assert main(["train", "--backend", "nccl", "--workers", "2", "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("needs CUDA GPUs and torch sees none") == 1 and "starting" not in err

@@ -45,6 +45,7 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError("--resume DIR continues the run in DIR; leave out --out (or give the same folder)")
         args.out = args.resume
     cfg = build_config(args.config, overrides, tree=tree)
+    _check_launch(cfg)
     out: Path | None
     if args.out:
         out = Path(args.out)
@@ -69,6 +70,23 @@ def _train(args: argparse.Namespace) -> int:
             return 0  # one summary per job: rank 0 under torchrun, the launcher under `lordo train`
     _print_summary(summary, Path(summary["out_dir"]))
     return 0
+
+
+def _check_launch(cfg) -> None:
+    """Mistakes of how the run is started, named before any process starts."""
+    from .comm.torch_dist import launched_by_torchrun
+    from .errors import ConfigError
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.dist.backend == "sim" and launched_by_torchrun() and world > 1:
+        raise ConfigError(f"dist.backend = \"sim\" simulates every worker in one process, but torchrun started {world} "
+                          "processes: under torchrun use --backend auto (or gloo, nccl); without torchrun, sim runs "
+                          "the --workers in this one process")
+    if cfg.dist.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("dist.backend = \"nccl\" needs CUDA GPUs and torch sees none; on CPUs use gloo (or auto)")
 
 
 def _resumed_config(folder: Path) -> dict:
