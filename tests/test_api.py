@@ -133,7 +133,7 @@ def test_module_grouping_of_a_generic_model():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "lordoo"}, r"strategy must be one of ddp, local-adam, lordo, .*got 'lordoo'"),
+    ({"strategy": "lordoo"}, r"strategy must be one of ddp, local-adam, diloco, lordo, .*got 'lordoo'"),
     ({"ranks": 4}, r"unknown option 'ranks'; options are strategy keys \(.*rank.*\) or optim keys"),
     ({"rank": 40}, r"strategy.rank must be in \[1, 16\] for 0.weight"),
     ({"omega": 1.5}, r"strategy.omega must be in \[0, 1\]"),

@@ -718,3 +718,40 @@ def test_param_groups_picks_matrices_by_rule_or_target_modules():
     torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     opt.step()
     assert "basis" in opt.state[model[1].weight] and "basis" not in opt.state[model[4].weight]
+
+
+def test_torch_optim_conventions_float_steps_tensor_lr_and_flags():
+    """What tools written for torch.optim do: load a state whose steps are numbers (torch's
+    test_load_nontensor_step), set lr as a tensor, pass foreach; flags it cannot honour are refused by name."""
+    model = _tiny_lm()
+    opt = LowRankQHAdam(lordo_groups(model), lr=1e-2, foreach=True)
+    tokens = torch.randint(0, 40, (4, 9), generator=torch.Generator().manual_seed(0))
+
+    def step(o):
+        torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        o.step()
+        o.zero_grad()
+
+    step(opt)
+    saved = opt.state_dict()
+    for s in saved["state"].values():
+        s["step"] = float(s["step"])  # as older torch optimizers saved it
+    again = LowRankQHAdam(lordo_groups(model), lr=1e-2)
+    again.load_state_dict(saved)
+    assert all(isinstance(s["step"], torch.Tensor) and float(s["step"]) == 1.0 for s in again.state.values())
+    for g in again.param_groups:
+        g["lr"] = torch.tensor(5e-3)
+    step(again)
+    assert all(float(s["step"]) == 2.0 for s in again.state.values())
+    for flag, message in ((dict(maximize=True), r"maximize=True is not supported .*negate the loss"),
+                          (dict(fused=True), r"fused=True is not supported .*batched=True"),
+                          (dict(capturable=True), r"capturable=True is not supported"),
+                          (dict(differentiable=True), r"differentiable=True is not supported")):
+        with pytest.raises(ValueError, match=message):
+            LowRankQHAdam(lordo_groups(model), **flag)
+
+
+def lordo_groups(model):
+    import lordo
+
+    return lordo.param_groups(model, rank=4)

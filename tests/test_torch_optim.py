@@ -304,3 +304,18 @@ def test_a_model_wrapped_in_ddp_is_refused():
     wrapped = nn.DataParallel(tiny_lm())
     with pytest.raises(lordo.ConfigError, match=r"wrapped in DistributedDataParallel .* pass the module itself"):
         lordo.distributed(wrapped, "lordo", rank=4, backend="sim")
+
+
+def test_opt_state_shows_each_parameters_inner_state():
+    """Tools that read opt.state[p] (as for any torch.optim optimizer) see the moments, bases and error feedback."""
+    models = [tiny_lm(), tiny_lm()]
+    opt = lordo.distributed(models, "lordo", rank=4, sync_every=3, backend="sim")
+    for rank, m in enumerate(models):
+        loss_of(m, 0, rank).backward()
+    opt.step()
+    matrix = models[1][1].weight
+    assert {"exp_avg", "exp_avg_sq", "basis"} <= set(opt.state[matrix])
+    assert opt.state[matrix] is opt.strategy.optimizer(1).state[matrix]
+    assert len(opt.state) == 2 * len(list(models[0].parameters()))
+    with pytest.raises(KeyError):
+        opt.state[nn.Parameter(torch.zeros(2))]

@@ -22,7 +22,7 @@ import atexit
 import dataclasses
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +119,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._building = False
         if check_finish:  # checked at exit: a forgotten finish() leaves every worker with its own model
             _LIVE.add(self)
+        # opt.state[p], as tools written for torch.optim read it: the inner optimizer's state of p (live)
+        self.state = _WorkerStates([w.optimizer for w in self.strategy.workers])  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
@@ -321,6 +323,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             f"DistributedOptimizer(strategy={s.name!r}, workers={self.comm.world_size}, "
             f"hosted={len(self.models)}, rank={s.rank}, sync_every={s.sync_every}, omega={s.omega})"
         )
+
+
+class _WorkerStates(Mapping):
+    """``DistributedOptimizer.state``: each hosted parameter's state in its worker's inner optimizer (moments,
+    bases, error feedback), read-only and live; the optimizer's own state dict is :meth:`state_dict`'s."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._optimizers = list(optimizers)
+
+    def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer | None:
+        for opt in self._optimizers:
+            if any(q is p for g in opt.param_groups for q in g["params"]):
+                return opt
+        return None
+
+    def __getitem__(self, p: torch.Tensor) -> dict:
+        owner = self._owner(p)
+        if owner is None:
+            raise KeyError("parameter is not one this optimizer trains")
+        return owner.state[p]
+
+    def __iter__(self):
+        return (p for opt in self._optimizers for p in list(opt.state))
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
 
 
 _LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()

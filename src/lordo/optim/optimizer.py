@@ -61,6 +61,21 @@ def _check_galore_keys(group: dict) -> None:
                          f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
 
 
+# torch.optim's flags: what they ask for is refused by name where this optimizer does not do it (its kernels are
+# chosen by the group options batched / compile), accepted where it is a no-op
+TORCH_FLAGS = {"foreach": (None, False, True), "fused": (None, False), "capturable": (False,),
+               "differentiable": (False,), "maximize": (False,)}
+
+
+def _check_torch_flags(group: dict) -> None:
+    for key, allowed in TORCH_FLAGS.items():
+        if key in group and group[key] not in allowed:
+            hint = {"maximize": "negate the loss instead", "fused": "use batched=True / compile=True",
+                    "capturable": "CUDA graphs are not supported", "differentiable": "the step is not differentiable"}
+            raise ValueError(f"{key}={group[key]!r} is not supported by LowRankQHAdam ({hint.get(key, '')}); "
+                             f"allowed: {', '.join(map(repr, allowed))}")
+
+
 def _shrink_error_feedback(states: list[dict], omega: float) -> None:
     """E ← ω·E (the full-rank term applied (1 − ω)·E of what lies outside the subspace: E keeps the rest); a
     deferred buffer's factor shrinks instead of the buffer (see LowRankQHAdam's deferred error feedback)."""
@@ -77,6 +92,17 @@ def _shrink_error_feedback(states: list[dict], omega: float) -> None:
             s[SCALE] = scale
     if buffers:
         torch._foreach_mul_(buffers, omega)
+
+
+def _tensor_steps(state_dict: dict) -> dict:
+    """A state whose ``step`` entries are numbers (older torch optimizers' format; torch's own
+    test_load_nontensor_step) with them as the 0-d float32 tensors this optimizer keeps."""
+    if not any("step" in s and not isinstance(s["step"], torch.Tensor) for s in state_dict.get("state", {}).values()):
+        return state_dict
+    state = {k: ({**s, "step": torch.tensor(float(s["step"]), dtype=torch.float32)}
+                 if "step" in s and not isinstance(s["step"], torch.Tensor) else s)
+             for k, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}
 
 
 def _runs_within(run: slice, stack: MatrixStack, wanted: set[int]) -> list[slice]:
@@ -169,6 +195,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
         update_proj_gap: int | None = None,
         scale: float = 1.0,
         proj_type: str = "std",
+        *,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -189,6 +221,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
             update_proj_gap=update_proj_gap,  # GaLore's keys (_check_galore_keys): as defaults for every group too
             scale=scale,
             proj_type=proj_type,
+            # torch.optim's flags, checked by name (TORCH_FLAGS): foreach is a no-op (multi-tensor ops are used
+            # anyway), the others are refused unless off
+            foreach=foreach, fused=fused, maximize=maximize, capturable=capturable, differentiable=differentiable,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
 
@@ -218,6 +253,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _check_group(group: dict) -> None:
+        _check_torch_flags(group)
+        if isinstance(group["lr"], torch.Tensor) and group["lr"].numel() != 1:
+            raise ValueError(f"lr must be a number or a one-element tensor, got a tensor of shape {tuple(group['lr'].shape)}")
         if not group["lr"] >= 0:
             raise ValueError(f"lr must be >= 0, got {group['lr']}")
         if not group["weight_decay"] >= 0:
@@ -560,7 +598,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             lowrank_qh_adam_update_many(
                 [local(p) for p in ps], gs_group, qh, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["basis"] for s in states], [side_of(p.shape) for p in ps], [s["step"] for s in states],
-                lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
                 omega=group["omega"], qh_lowranks=lows, qh_scales=qh_scales, lowrank_scale=group["scale"],
                 moment_numels=numels, lowrank_term=group.get("lowrank_term", "adam"),
                 sum_totals=functools.partial(sum_over_shards, ps) if sharded else None,
@@ -612,7 +650,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             b1, b2 = group["betas"]
             qh_adam_update_many(
                 [local(p) for p in ps], [_grad(p) for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                [s["step"] for s in states], lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
                 weight_decay=group["weight_decay"], omega=group["omega"],
             )
 
@@ -640,6 +678,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         error-feedback buffer into float32. How the step runs (``batched``, ``compile``) stays this optimizer's
         choice, not the saved one's: a checkpoint from a GPU run loads on a CPU as it was built there."""
         how = [{key: g[key] for key in EXECUTION} for g in self.param_groups]
+        state_dict = _tensor_steps(state_dict)
         super().load_state_dict(state_dict)
         for group, options in zip(self.param_groups, how, strict=True):
             group.update(options)

@@ -116,7 +116,7 @@ class MatrixStack:
         """Moments and weights of the matrices ``rows`` from their projected gradients ``g`` (n, ., r)."""
         states = self.states[rows]
         b1, b2 = group["betas"]
-        lr, omega = group["lr"], group["omega"]
+        lr, omega = float(group["lr"]), group["omega"]
         u, v = self.tensors["exp_avg"][rows], self.tensors["exp_avg_sq"][rows]
         steps = self.tensors["step"][rows]
         steps.add_(1)
