@@ -277,16 +277,19 @@ def _save(fig, path: Path) -> Path:
 
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """One PNG for ``lordo plot``: validation loss against step (left) and against bytes sent (right)."""
+    """One PNG for ``lordo plot``: loss against step (left: the training loss of every logged step as a line,
+    the validation loss as points on it) and against bytes sent (right: every logged step's cumulative bytes,
+    on a log axis that starts at the first byte sent, so a run's first steps are not squeezed onto two dots)."""
     runs = []
     for d in map(Path, run_dirs):
         path = d / "metrics.jsonl"
         if not path.exists():
             raise LordoError(f"{d} has no metrics.jsonl; give output folders of lordo train")
-        evals = [r for r in read_jsonl(path) if "val_loss" in r]  # rows cut short by a crash left out
+        rows = read_jsonl(path)  # rows cut short by a crash left out
+        evals = [r for r in rows if "val_loss" in r]
         if not evals:
             raise LordoError(f"{path} holds no validation loss yet")
-        runs.append((d.name or str(d), evals))
+        runs.append((d.name or str(d), [r for r in rows if "train_loss" in r], evals))
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -294,16 +297,26 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def sent(r: dict) -> float:
+        return r.get("comm_wire_bytes", r.get("comm_bytes", 0))
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, evals in runs:
-        left.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", ms=3, label=name)
-        sent = [r for r in evals if r.get("comm_wire_bytes", r.get("comm_bytes", 0)) > 0]
-        if sent:
-            right.plot([r.get("comm_wire_bytes", r["comm_bytes"]) for r in sent], [r["val_loss"] for r in sent], marker="o",
-                       ms=3, label=name)
-    left.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
-    right.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
-              title="validation loss vs communication")
+    for name, trains, evals in runs:
+        line = left.plot([r["step"] for r in trains], [r["train_loss"] for r in trains], lw=1, alpha=0.6,
+                         label=f"{name}, train")[0] if trains else None
+        color = line.get_color() if line is not None else None
+        left.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", ms=4, ls="--", color=color,
+                  label=f"{name}, validation")
+        train_sent = [r for r in trains if sent(r) > 0]
+        if train_sent:
+            right.plot([sent(r) for r in train_sent], [r["train_loss"] for r in train_sent], lw=1, alpha=0.6, color=color)
+        eval_sent = [r for r in evals if sent(r) > 0]
+        if eval_sent:
+            right.plot([sent(r) for r in eval_sent], [r["val_loss"] for r in eval_sent], marker="o", ms=4, ls="--",
+                       color=color, label=name)
+    left.set(xlabel="step", ylabel="loss", title="training (line) and validation (points) loss vs step")
+    right.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="loss",
+              title="loss vs communication")
     left.legend(fontsize=7)
     if right.get_lines():
         right.legend(fontsize=7)
