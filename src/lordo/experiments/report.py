@@ -85,17 +85,17 @@ def wire_totals(summary: dict[str, Any]) -> tuple[int, int]:
     return wire, steps * wire_bytes("all_reduce", grad, world) + wire_bytes("broadcast", init["bytes"], world)
 
 
-def _wire_rows(run: dict[str, Any]) -> list[tuple[float, float]]:
-    """(bytes sent so far, validation loss) of a run's evaluations: the rows' wire counts, or (older runs)
-    their payload counts scaled by the run's final wire / payload."""
+def _wire_rows(run: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """Step → (bytes sent so far, validation loss) of a run's evaluations after the first byte: the rows' wire
+    counts, or (older runs) their payload counts scaled by the run's final wire / payload."""
     wire, _ = wire_totals(run["summary"])
     payload = run["summary"]["comm_bytes_total"]
     scale = wire / payload if payload else 1.0
-    out = []
+    out = {}
     for r in run["metrics"]:
         sent = r.get("comm_wire_bytes", r.get("comm_bytes", 0) * scale)
         if "val_loss" in r and sent > 0:
-            out.append((sent, r["val_loss"]))
+            out[r["step"]] = (sent, r["val_loss"])
     return out
 
 
@@ -162,22 +162,45 @@ def _plots(root: Path, runs: list[dict[str, Any]]) -> list[Path]:
 Figures = list[tuple[str, Any]]  # (file name, matplotlib figure)
 
 
+def _by_point(runs: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Runs grouped by their point without the seed (:func:`_group_key`), in order of first appearance."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+    return list(groups.items())
+
+
+def _mean_band(ax: Any, series: list[dict[float, float]], label: str, marker: str = "o") -> None:
+    """The mean over seeds at the x values every seed has, as a line; their range as a band around it."""
+    xs = sorted(set.intersection(*(set(s) for s in series)))
+    if not xs:
+        return
+    means = [statistics.mean(s[x] for s in series) for x in xs]
+    line = ax.plot(xs, means, marker=marker, ms=3, label=label if len(series) == 1 else f"{label} (mean of {len(series)})")
+    if len(series) > 1:
+        ax.fill_between(xs, [min(s[x] for s in series) for x in xs], [max(s[x] for s in series) for x in xs],
+                        color=line[0].get_color(), alpha=0.2, lw=0)
+
+
 def _plot_loss_vs_step(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        e = [r for r in run["metrics"] if "val_loss" in r]
-        ax.plot([r["step"] for r in e], [r["val_loss"] for r in e], marker="o", ms=3, label=run["name"])
-    ax.set(xlabel="step", ylabel="validation loss", title="validation loss vs step")
+    for label, group in _by_point(runs):
+        _mean_band(ax, [{r["step"]: r["val_loss"] for r in run["metrics"] if "val_loss" in r} for run in group], label)
+    ax.set(xlabel="step", ylabel="validation loss", title="validation loss vs step (band: the seeds' range)")
     ax.legend(fontsize=6)
     return [("val_loss_vs_step.png", fig)]
 
 
 def _plot_loss_vs_bytes(plt: Any, runs: list[dict[str, Any]]) -> Figures:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        e = _wire_rows(run)
-        if e:
-            ax.plot([x for x, _ in e], [y for _, y in e], marker="o", ms=3, label=run["name"])
+    for label, group in _by_point(runs):
+        # the seeds of a point send the same bytes at the same steps: pair them by step, plot against the mean bytes
+        by_step = [_wire_rows(run) for run in group]
+        steps = sorted(set.intersection(*(set(s) for s in by_step))) if by_step else []
+        if not steps:
+            continue
+        x_of = {st: statistics.mean(s[st][0] for s in by_step) for st in steps}
+        _mean_band(ax, [{x_of[st]: s[st][1] for st in steps} for s in by_step], label)
     ax.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
            title="validation loss vs communication")
     if ax.get_lines():
