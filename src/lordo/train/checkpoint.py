@@ -326,6 +326,7 @@ ADDED_FIELDS = {
     ("data", "tokens"): "",
     ("data", "token_dtype"): "uint16",
     ("data", "tokenizer"): "bpe",
+    ("data", "text_field"): "text",
     ("dist", "ranks_per_worker"): 1,
     ("strategy", "offload_anchor"): False,
     ("strategy", "sync_delay"): 0,
