@@ -105,6 +105,11 @@ def _tensor_steps(state_dict: dict) -> dict:
     return {**state_dict, "state": state}
 
 
+@functools.cache
+def _eager_step():
+    return torch.compiler.disable(torch.no_grad()(LowRankQHAdam._step))
+
+
 def _runs_within(run: slice, stack: MatrixStack, wanted: set[int]) -> list[slice]:
     """The consecutive ranges of rows of ``run`` whose parameters are ``wanted``."""
     chosen, start = [], None
@@ -654,12 +659,17 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], omega=group["omega"],
             )
 
-    # torch.compile(opt.step) runs this step eagerly, a graph break (dynamo, tracing the host-side scalar math of
-    # the bias corrections, failed with "Guard failed on the same frame it was created"); for a compiled step use
-    # the group option compile=True, which compiles the batched update itself
-    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
+        if torch.compiler.is_compiling():
+            # torch.compile(opt.step): the step runs eagerly, a graph break (dynamo, tracing the host-side scalar
+            # math of the bias corrections, failed with "Guard failed on the same frame it was created"); for a
+            # compiled step use the group option compile=True, which compiles the batched update itself. The
+            # wrapper is made here, not at import: importing torch._dynamo takes seconds
+            return _eager_step()(self, closure)
+        return self._step(closure)
+
+    def _step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
