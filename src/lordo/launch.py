@@ -21,7 +21,9 @@ class WorkerFailed(LordoError):
 def die_with_parent(sig: int = signal.SIGTERM):
     """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when this process dies, even by SIGKILL
     (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing), so no worker trains on without its launcher. SIGTERM makes a
-    training process save a checkpoint and stop."""
+    training process save a checkpoint and stop. Linux sends it when the *thread* that started the child ends:
+    start children from a thread that outlives them (the main thread, or a pool's worker thread, as the sweep
+    does)."""
     parent = os.getpid()
 
     def arm() -> None:
