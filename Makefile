@@ -12,7 +12,7 @@ demo: $(STAMP) data
 	$(BIN)/lordo train --config configs/demo.toml --out runs/demo
 
 test: lint data
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo
 lint: $(STAMP)

@@ -225,6 +225,45 @@ def test_a_worker_with_other_settings_cannot_join(lighthouse):
         comm.close()
 
 
+def test_a_lighthouse_that_dies_mid_run_stops_the_worker_with_one_line_naming_it():
+    """The Lighthouse is every worker's single point of failure: its loss (the process killed) is said in one
+    line at the next round (a raw TimeoutError from torchft's client after its quorum timeout before)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = (f"from torchft._torchft import LighthouseServer; import time; server = LighthouseServer("
+             f"bind='[::]:{port}', min_replicas=1, join_timeout_ms=100); time.sleep(300)")
+    server = subprocess.Popen([sys.executable, "-c", serve])
+    address, comm = f"http://127.0.0.1:{port}", None
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        comm = TorchFTCommunicator(1, 0, lighthouse=address, quorum_timeout_s=3.0)
+        model = nn.Linear(8, 8)
+        opt = lordo.distributed(model, "local-adam", backend=comm, sync_every=2, lr=1e-2)
+        assert opt.join() == 0
+        server.kill()
+        server.wait()
+        with pytest.raises(CommError, match=rf"no quorum for the sync round after step 2: the Lighthouse at "
+                                            rf"{re.escape(address)} did not answer \(.*start a Lighthouse and every "
+                                            rf"worker again with the same commands"):
+            for _ in range(2):
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        lordo.api._LIVE.discard(opt)  # it cannot finish (no Lighthouse): no end-of-run warning for it
+    finally:
+        server.kill()
+        if comm is not None:
+            comm.close(clean=False)
+
+
 def test_workers_that_start_with_other_settings_are_refused(tmp_path):
     """Two workers starting together, one at another learning rate: both refuse at join."""
     server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1500)
@@ -310,3 +349,71 @@ def test_trainer_settings_that_would_desynchronise_rounds_are_refused(override, 
 
     with pytest.raises(ConfigError, match=message):
         build_config(None, ["dist.backend=\"torchft\"", override])
+
+
+def _lighthouse_process(min_replicas: int) -> tuple[subprocess.Popen, str]:
+    """A Lighthouse in a process of its own (so that it can be killed), and its address once it listens."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = (f"from torchft._torchft import LighthouseServer; import time; server = LighthouseServer(bind='[::]:{port}', "
+             f"min_replicas={min_replicas}, join_timeout_ms=30000, heartbeat_timeout_ms=1500); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", serve])
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_a_run_that_lost_its_lighthouse_resumes_from_its_checkpoints_and_ends_as_an_uninterrupted_one(data_dir, tmp_path):
+    """Every worker stops when the Lighthouse dies; started again (the same commands, a new Lighthouse), each
+    resumes from its checkpoint of the same step and the run ends with the uninterrupted run's model."""
+    settings = [*NANO, "--steps", "96", "--workers", "2", "--backend", "torchft", "--data-dir", str(data_dir),
+                "--set", "schedule.kind=constant", "--set", "train.checkpoint_every=20"]
+
+    def run(out: str, lighthouse: str, kill_lighthouse: subprocess.Popen | None = None) -> list[int]:
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_MIN_REPLICAS": "2", "OMP_NUM_THREADS": "1",
+               "TORCHFT_QUORUM_TIMEOUT_SEC": "10"}
+        procs = [subprocess.Popen([sys.executable, "-m", "lordo.cli", "train", *settings, "--out", str(tmp_path / out / f"w{r}")],
+                                  env={**env, "REPLICA_GROUP_ID": str(r)}, stdout=open(tmp_path / f"{out}-{r}.txt", "a"),
+                                  stderr=subprocess.STDOUT) for r in range(2)]
+        try:
+            if kill_lighthouse is not None:
+                checkpoints = tmp_path / out / "w0" / "checkpoints"
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not list(checkpoints.glob("step-*")):
+                    time.sleep(0.02)
+                kill_lighthouse.kill()
+            return [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+    logs = lambda out: "\n".join(f.read_text()[-1500:] for f in sorted(tmp_path.glob(f"{out}-*.txt")))  # noqa: E731
+    first, address = _lighthouse_process(2)
+    try:
+        assert run("run", address, kill_lighthouse=first) == [2, 2], logs("run")
+    finally:
+        first.kill()
+    assert "did not answer" in logs("run") and "each resumes from its newest checkpoint" in logs("run")
+    saved = [sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run" / f"w{r}" / "checkpoints").glob("step-*"))
+             for r in range(2)]
+    assert saved[0] and saved[0] == saved[1] and saved[0][-1] < 96 and saved[0][-1] % 8 == 0, saved
+    second, address = _lighthouse_process(2)
+    try:
+        assert run("run", address) == [0, 0], logs("run")
+        assert run("reference", address) == [0, 0], logs("reference")
+    finally:
+        second.kill()
+    resumed = [(tmp_path / f"run-{r}.txt").read_text() for r in range(2)]
+    assert all(f"at step {saved[0][-1]}" in text for text in resumed), logs("run")  # both resumed from it
+    reference = torch.load(tmp_path / "reference" / "w0" / "model.pt")
+    for r in range(2):
+        model = torch.load(tmp_path / "run" / f"w{r}" / "model.pt")
+        assert all(torch.equal(model[k], reference[k]) for k in reference)

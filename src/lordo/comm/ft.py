@@ -97,6 +97,7 @@ class TorchFTCommunicator(Communicator):
         super().__init__(workers, [replica])
         self.backend = "gloo"  # torchft's process group (recorded in the run's config)
         self.attempts = attempts
+        self.lighthouse = lighthouse
         timeout = _dt.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's
         self.manager = manager_cls(
@@ -158,7 +159,7 @@ class TorchFTCommunicator(Communicator):
         saved = strategy.snapshot()
         for attempt in range(1, self.attempts + 1):
             self._current = (kind, resume_at)
-            self.manager.start_quorum()
+            self._start_quorum(kind, strategy.steps_done)
             if self._received is not None:  # only a worker that was behind receives a state
                 raise CommError(f"worker {self.local_ranks[0]} was behind the others at a {kind} round; call "
                                 "join() once before training (DistributedOptimizer.join)")
@@ -179,6 +180,18 @@ class TorchFTCommunicator(Communicator):
                           "running it again with the workers that remain", RuntimeWarning, stacklevel=2)
         raise CommError(f"a {kind} round failed {self.attempts} times; giving up")
 
+    def _start_quorum(self, kind: str, step: int) -> None:
+        """torchft's quorum, with its failure said in one line: it fails when the Lighthouse stops answering
+        (a raw ``TimeoutError`` or ``RuntimeError`` from torchft's client otherwise)."""
+        try:
+            self.manager.start_quorum()
+        except (TimeoutError, ConnectionError, RuntimeError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise CommError(f"no quorum for the {kind} round after step {step}: the Lighthouse at {self.lighthouse} "
+                            f"did not answer ({type(exc).__name__}: {first}). Every torchft worker needs it: start a "
+                            "Lighthouse and every worker again with the same commands, and each resumes from its newest "
+                            "checkpoint (docs/multi-node.md)") from exc
+
     def _commit(self, strategy, kind: str, attempt: int) -> None:
         self._committed = strategy.snapshot()
         self.rounds.append({"step": strategy.steps_done, "kind": kind, "workers": self.manager.num_participants(),
@@ -190,7 +203,7 @@ class TorchFTCommunicator(Communicator):
         self._committed = strategy.snapshot()
         for attempt in range(1, self.attempts + 1):
             self._received = None
-            self.manager.start_quorum()
+            self._start_quorum("start", strategy.steps_done)
             received, self._received = self._received, None
             self._in_round = True
             if received is None:  # everyone is starting: nothing to recover, the same weights everywhere
@@ -200,6 +213,11 @@ class TorchFTCommunicator(Communicator):
                     if same == "settings":
                         raise ConfigError("the workers start with different settings (of those that shape the "
                                           "trajectory: learning rate, strategy, model, ...); compare their config.json")
+                    if same == "steps":
+                        raise ConfigError(f"the workers start at different steps (this one at step {strategy.steps_done}"
+                                          ", from its newest checkpoint): a run restarted as a whole resumes every "
+                                          "worker from a checkpoint of the same step; set aside the newer "
+                                          "checkpoints/step-* folders of the workers that are ahead")
                     if not same:
                         raise ConfigError("the workers start from different weights: build every replica from the "
                                           "same seed (under torchft nothing broadcasts worker 0's weights)")
@@ -236,14 +254,17 @@ class TorchFTCommunicator(Communicator):
     @torch.no_grad()
     def _same_start(self, strategy) -> bool | str:
         """Whether every worker starts from the same weights (and settings: a digest of them, 48 bits, exact
-        in float64); "settings" if the settings differ."""
-        mine = torch.stack([p.detach().double().sum() for p in strategy.workers[0].params])
+        in float64, and step); "settings" if the settings differ, "steps" if they start at other steps."""
+        mine = torch.stack([p.detach().double().sum() for p in strategy.workers[0].params]
+                           + [torch.tensor(float(strategy.steps_done), dtype=torch.float64)])
         text = json.dumps(self.settings, sort_keys=True, default=str)
         digest = torch.tensor([float(int(hashlib.sha256(text.encode()).hexdigest()[:12], 16))], dtype=torch.float64)
         mean, digests = mine.clone(), digest.clone()
         self._all_reduce_mean([[mean, digests]])
         if not torch.equal(digests, digest):
             return "settings"
+        if float(mean[-1]) != float(mine[-1]):
+            return "steps"
         return bool(torch.allclose(mean, mine, rtol=1e-9, atol=1e-12))
 
     # --- collectives ---------------------------------------------------------------------------------

@@ -258,10 +258,10 @@ class Trainer:
         self.log(f"model: {cfg.model.preset}, {m.num_params():,} parameters, vocab {self.data.vocab_size}, device "
                  f"{self.device}; strategy {cfg.strategy.name}, {self.comm.world_size} worker(s) on {type(self.comm).__name__}")
         self.log(format_groups(self.optimizer.groups[0]))
+        if self.checkpoints.has_checkpoint():
+            self.resume()  # under torchft too: a worker whose peers are ahead then recovers from them instead
         if self.comm.fault_tolerant:
             self.join()
-        elif self.checkpoints.has_checkpoint():
-            self.resume()
         if self.main:
             self._write_config()
         metrics = MetricsWriter(self.out, self.main, self.state.step, cfg.train.log == "tensorboard")
@@ -417,7 +417,7 @@ class Trainer:
     def join(self) -> None:
         """Under torchft: start with the other workers, or recover from them and continue at their step."""
         step = self.optimizer.join()
-        if step:
+        if step != self.state.step:  # the others were ahead (else: a fresh start, or all resumed together)
             self.log(f"recovered from a peer: continuing at step {step}")
             self.state.step = step
             for sampler in self.samplers:
@@ -425,7 +425,9 @@ class Trainer:
 
     def _checkpoint_if_due(self, step: int, stop_requested: bool, signum: int | None) -> None:
         t = self.cfg.train
-        if self.comm.fault_tolerant:  # a worker recovers from its peers, not from files
+        if self.comm.fault_tolerant:  # a worker recovers from its peers; from its files when all stopped at once
+            if self._ft_checkpoint_due(step):
+                self.save_checkpoint(step)
             if stop_requested and step < t.steps:
                 raise Stopped(f"stopped after step {step}; the other workers go on. Start this worker again (the same "
                               "command) and it recovers from them", 128 + (signum or signal.SIGTERM))
@@ -437,6 +439,17 @@ class Trainer:
             name = signal.Signals(signum).name if signum else "a signal on another worker"
             raise Stopped(f"stopped by {name} after step {step}; checkpoint saved to {saved}. "
                           f"Continue with: lordo train --resume {self.out}", 128 + (signum or signal.SIGTERM))
+
+    def _ft_checkpoint_due(self, step: int) -> bool:
+        """Under torchft every worker saves at the same steps, each right after a committed synchronisation
+        (the workers then hold the same model): the first sync step at or after each multiple of
+        train.checkpoint_every, and the last step; a function of the step alone, so a worker recovered from its
+        peers saves where they do. A whole run restarted then resumes from one step on every worker."""
+        t, k = self.cfg.train, self.cfg.strategy.sync_every
+        if not self.optimizer.in_sync:
+            return False
+        every = t.checkpoint_every
+        return step == t.steps or (every > 0 and step % k == 0 and step // every > (step - k) // every)
 
     def save_checkpoint(self, step: int) -> Path:
         """Collective: every process writes its workers' files; the main one the shared state. A model that is
