@@ -319,3 +319,39 @@ def test_opt_state_shows_each_parameters_inner_state():
     assert len(opt.state) == 2 * len(list(models[0].parameters()))
     with pytest.raises(KeyError):
         opt.state[nn.Parameter(torch.zeros(2))]
+
+
+def test_a_basis_that_no_one_refreshes_is_reported_once(monkeypatch):
+    """GaLore refreshes every 200 steps; update_proj_gap = None (the default) never does unless a strategy or the
+    caller changes the bases: after FIXED_BASIS_WARNING_STEPS steps without a change it says so, once."""
+    import warnings
+
+    from lordo.optim import optimizer as module
+
+    monkeypatch.setattr(module, "FIXED_BASIS_WARNING_STEPS", 5)
+
+    def train(models: list[nn.Module], opt, steps: int, refresh_at: int | None = None) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(1, steps + 1):
+                for m in models:
+                    m(torch.randn(4, 8)).square().mean().backward()
+                if step == refresh_at:
+                    opt.refresh_basis(models[0].weight, models[0].weight.grad)
+                opt.step()
+                opt.zero_grad()
+        return [str(w.message) for w in caught if "no basis has changed" in str(w.message)]
+
+    def alone(**kwargs) -> tuple[list[nn.Module], lordo.LowRankQHAdam]:
+        layer = nn.Linear(8, 8)
+        return [layer], lordo.LowRankQHAdam(layer.parameters(), rank=2, lr=1e-2, **kwargs)
+
+    (message,) = train(*alone(), 12)
+    assert "in 5 steps" in message and "update_proj_gap=200" in message
+    assert train(*alone(update_proj_gap=3), 12) == []
+    assert train(*alone(), 12, refresh_at=2) == []
+    # a strategy changes the bases at each synchronisation: nothing to say
+    models = [nn.Linear(8, 8) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    with lordo.distributed(models, "lordo", backend="sim", rank=2, sync_every=4, lr=1e-2) as opt:
+        assert train(models, opt, 12) == []

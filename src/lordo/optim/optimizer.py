@@ -10,6 +10,7 @@ through ``torch.load(..., weights_only=True)``; LR schedulers work through ``par
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -19,6 +20,9 @@ from .lowrank import project, project_with_feedback, remove_projection, rotate_m
 from .sharded import check_sharding, gather, is_sharded, local, sum_over_shards
 from .stacked import DEFERRED, INSIDE, SCALE, MatrixStack
 from .subspace import check_rank, grad_of, side_of, subspace_iteration_basis, svd_basis
+
+# a basis that no one changed for this many steps, with update_proj_gap = None, is probably a forgotten refresh
+FIXED_BASIS_WARNING_STEPS = 1000
 
 QH_SOURCES = ("grad", "grad+error")
 AFTER_QH = ("keep", "remove")
@@ -231,6 +235,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
             foreach=foreach, fused=fused, maximize=maximize, capturable=capturable, differentiable=differentiable,
         )
         super().__init__(params, defaults)  # checks each group in add_param_group
+        # whether the bases are this optimizer's to keep fresh (update_proj_gap); a strategy that changes them
+        # itself sets False (then no warning about a basis that never changes)
+        self.manages_bases = True
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, with every option checked (a bad group is not added). A group that takes
@@ -382,10 +389,20 @@ class LowRankQHAdam(torch.optim.Optimizer):
         if "basis" not in state:
             self._init_lowrank_state(p, group, new)
             return
+        self.__dict__["_bases_changed"] = True
         self._settle(p)  # E in the old basis
         b1, b2 = group["betas"]
         rotate_moments(state["exp_avg"], state["exp_avg_sq"], state["basis"], new, side, int(state["step"]), b1, b2)
         state["basis"].copy_(new)
+
+    def _warn_fixed_basis(self) -> None:
+        if not self.manages_bases or self.__dict__.get("_bases_changed") or self.__dict__.get("_warned_fixed_basis"):
+            return  # a strategy (or the caller) changes the bases: nothing forgotten
+        self.__dict__["_warned_fixed_basis"] = True
+        warnings.warn(f"LowRankQHAdam: no basis has changed in {FIXED_BASIS_WARNING_STEPS} steps: with update_proj_gap="
+                      "None (the default) the low-rank bases stay those of the first gradient unless you call "
+                      "refresh_basis / set_basis; pass update_proj_gap=200 (GaLore's default) to recompute them from "
+                      "the gradient every 200 steps", RuntimeWarning, stacklevel=4)
 
     def refresh_basis(self, p: torch.Tensor, matrix: torch.Tensor) -> bool:
         """Recompute p's basis from ``matrix`` and rotate the moments; False (basis kept) if it failed."""
@@ -490,6 +507,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
                 self._init_lowrank_state(p, group, basis)
             elif group["update_proj_gap"] and int(state["step"]) % group["update_proj_gap"] == 0:
                 self.refresh_basis(p, grad_of(p))  # GaLore's schedule: a new basis from this step's gradient
+            elif group["update_proj_gap"] is None and int(state["step"]) == FIXED_BASIS_WARNING_STEPS:
+                self._warn_fixed_basis()
         batched, each = self._split_batched(params)
         out: list[torch.Tensor | None] = [None] * len(params)
         for positions, project_many in ((batched, self._project_stacked), (each, self._project_each)):

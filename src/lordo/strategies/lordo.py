@@ -80,6 +80,8 @@ class LoRDOStrategy(LocalUpdateStrategy):
         self.basis = basis if basis is not None else GlobalBasis()
         if not isinstance(self.basis, BasisPolicy):
             raise ConfigError(f"basis must be a BasisPolicy (GlobalBasis() or LocalBasis()), got {type(self.basis).__name__}")
+        for opt in self.optimizers:
+            opt.manages_bases = False  # the basis policy changes them at each synchronisation
         lowrank = {id(p) for p, _ in self.optimizer(0).lowrank_params()}
         self.lowrank_index = [i for i, p in enumerate(self.workers[0].params) if id(p) in lowrank]
 

@@ -35,6 +35,8 @@ class LowRankDDPStrategy(Strategy):
         check_number("refresh_every", refresh_every, minimum=1, integer=True)
         self.refresh_every = refresh_every
         self.optimizers: list[LowRankQHAdam] = list(optimizers)
+        for opt in self.optimizers:
+            opt.manages_bases = False  # this strategy changes them (every refresh_every steps)
         self.lowrank_sets = [[p for p, _ in opt.lowrank_params()] for opt in self.optimizers]
         ids = [{id(p) for p in low} for low in self.lowrank_sets]
         self.full_sets = [[p for p in w.params if id(p) not in ids[i]] for i, w in enumerate(self.workers)]
