@@ -94,6 +94,32 @@ def test_a_jsonl_corpus_reads_the_named_text_field(tmp_path):
         run(tmp_path, "default", f"data.corpus={json.dumps(str(folder))}")
 
 
+def test_hugging_face_datasets_folders_and_parquet_files_are_corpora(tmp_path):
+    """A datasets folder (save_to_disk: one dataset, or a DatasetDict of splits, all read) and a parquet file:
+    each row one document, its data.text_field column; a missing column names the ones there are."""
+    datasets = pytest.importorskip("datasets")
+    from lordo.data.textfiles import iter_text_documents, text_files
+
+    texts = [f"document {i}: " + "words and more words " * 40 for i in range(300)]
+    rows = {"id": list(range(300)), "content": texts}
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({k: v[:250] for k, v in rows.items()}),
+                                   "test": datasets.Dataset.from_dict({k: v[250:] for k, v in rows.items()})})
+    splits.save_to_disk(str(tmp_path / "hf"))
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    for spec in (tmp_path / "hf", tmp_path / "rows.parquet"):
+        root, files = text_files(str(spec))
+        assert sorted(body for _, body in iter_text_documents(root, files, "content")) == sorted(texts)
+    summary = run(tmp_path, "hf", f"data.corpus={json.dumps(str(tmp_path / 'hf'))}", 'data.text_field="content"')
+    assert summary["steps"] == 6 and np.isfinite(summary["val_loss"])
+    with pytest.raises(DataError, match=r"rows.parquet has no column 'text' \(its columns: id, content; set "
+                                        r"data.text_field\)"):
+        run(tmp_path, "default", f"data.corpus={json.dumps(str(tmp_path / 'rows.parquet'))}")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "a.parquet").write_bytes(b"not a table")
+    with pytest.raises(DataError, match=r"a.parquet is not a readable .parquet table"):
+        run(tmp_path, "junk", f"data.corpus={json.dumps(str(tmp_path / 'junk'))}")
+
+
 def test_token_files_of_the_other_dtype_are_recognised(tmp_path):
     """uint32 ids read as the default uint16 would train on id, 0, id, 0, ...: refused, naming data.token_dtype;
     uint16 ids read as uint32 give ids beyond the vocabulary, and the message says why."""
@@ -128,7 +154,7 @@ def test_a_text_on_one_line_is_cut_into_documents(tmp_path):
 
 
 @pytest.mark.parametrize("setup, overrides, message", [
-    (lambda d: d.mkdir(), [], r"holds no .txt, .md or .jsonl files"),
+    (lambda d: d.mkdir(), [], r"holds no .txt, .md, .jsonl, .parquet or .arrow files \(a datasets folder\)"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"text\x00\x01\x02")), [], r"a.txt is not text \(it holds NUL bytes\)"),
     (lambda d: (d.mkdir(), (d / "a.txt").write_bytes(b"caf\xe9 " * 100)), [], r"a.txt is not UTF-8 text"),
     (lambda d: (d.mkdir(), (d / "a.jsonl").write_text('{"body": "x"}\n')), [],

@@ -106,7 +106,8 @@ class DataConfig(_Section):
     dir: str = _f("data", "folder holding package archives (packages/, debs/) and prepared token files (prepared/)")
     corpus: str = _f("bundled", "what to train on: bundled (Shakespeare + King James, 2.6M tokens), large (the bundled "
                      "texts plus Debian's free English texts, fetched once by `lordo data fetch --corpus large`), or "
-                     "a folder, file or glob of .txt, .md or .jsonl files")
+                     "a folder, file or glob of .txt, .md, .jsonl, .parquet or .arrow files (a Hugging Face datasets "
+                     "folder: its .arrow files; tables need pyarrow)")
     tokens: str = _f("", "a folder of pre-tokenized train.bin and val.bin (flat arrays of data.token_dtype, ids "
                      "below data.vocab_size) to train on instead of data.corpus")
     token_dtype: str = _f("uint16", "element type of data.tokens' files", _choice("uint16", "uint32"))
@@ -114,7 +115,8 @@ class DataConfig(_Section):
                         "file (its vocabulary then sets the size)")
     vocab_size: int = _f(4096, "vocabulary size: of the BPE to train (at most 65535), or of data.tokens' ids")
     val_fraction: float = _f(0.05, "share of documents held out for validation (chosen by a hash of their id)")
-    text_field: str = _f("text", "the field of each .jsonl line that holds its text (data.corpus of .jsonl files)")
+    text_field: str = _f("text", "the field of each .jsonl line, or the column of each .parquet / .arrow table, that "
+                         "holds its text")
 
     def _check(self) -> None:
         if self.tokens:
