@@ -165,3 +165,16 @@ def test_a_compiled_optimizer_step_trains_as_the_eager_one(data_dir, tmp_path):
     rows = [[r["train_loss"] for r in read_metrics(tmp_path / d) if "train_loss" in r] for d in ("eager", "compiled")]
     assert len(rows[0]) == 8 and rows[0] == pytest.approx(rows[1], rel=1e-4)
     assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-4)
+
+
+def test_the_done_line_of_a_resumed_run_says_how_long_it_trained_in_all(capsys, tmp_path):
+    """A run resumed near its end took seconds in this process but trained for its whole length: the line
+    says both (it said "2000 steps in 71s" beside tokens/s computed over every step before)."""
+    from lordo.cli import _print_summary
+
+    s = {"strategy": "lordo", "workers": 1, "steps": 2000, "tokens": 8_192_000, "wall_s": 71.4, "train_s": 2257.0,
+         "tokens_per_s": 3630.0, "val_ppl": 43.7, "unigram_val_ppl": 568.8, "val_loss": 3.777, "resumed_from_step": 1901}
+    _print_summary(s, tmp_path)
+    assert "8,192,000 tokens in 2257s of training (71s in this run, resumed at step 1901)" in capsys.readouterr().out
+    _print_summary(dict(s, resumed_from_step=0, wall_s=2290.0), tmp_path)
+    assert "8,192,000 tokens in 2290s (3,630 tokens/s while training)" in capsys.readouterr().out

@@ -113,9 +113,13 @@ def _resumed_config(folder: Path) -> dict:
 
 
 def _print_summary(s: dict, out: Path) -> None:
+    resumed = s.get("resumed_from_step")
+    # wall_s is this process's; train_s (and tokens/s) cover every step, resumed runs' earlier ones included
+    took = (f"in {s['train_s']:.0f}s of training ({s['wall_s']:.0f}s in this run, resumed at step {resumed})" if resumed
+            else f"in {s['wall_s']:.0f}s")
     lines = [
         f"\ndone: {s['strategy']} with {s['workers']} worker(s), {s['steps']} steps, {s['tokens']:,} tokens "
-        f"in {s['wall_s']:.0f}s ({s['tokens_per_s']:,.0f} tokens/s while training)",
+        f"{took} ({s['tokens_per_s']:,.0f} tokens/s while training)",
         f"val perplexity {s['val_ppl']:.2f} (unigram baseline {s['unigram_val_ppl']:.1f}), val loss {s['val_loss']:.4f}",
     ]
     if s["workers"] > 1:
