@@ -90,6 +90,25 @@ def test_default_lr_is_the_strategys_tuned_one_and_an_explicit_lr_wins():
         build_config(overrides=["optim.lr=-1"])
 
 
+def test_the_strategys_default_lr_follows_a_strategy_changed_after_building():
+    """optim.lr = 0 resolved for lordo (3e-3) is resolved again when the strategy changes and the config is
+    validated again (it kept 0.003 for lordo-global-noqh, whose fresh build gives 6e-3); a rate set by hand
+    stays; config.json holds the sections' fields only."""
+    from dataclasses import asdict
+
+    from lordo.config import validate
+
+    cfg = build_config(overrides=['strategy.name="lordo"'])
+    cfg.strategy.name = "lordo-global-noqh"
+    validate(cfg)
+    assert cfg.optim.lr == DEFAULT_LR["lordo-global-noqh"] == 6e-3
+    cfg.optim.lr = 1e-3
+    cfg.strategy.name = "ddp"
+    validate(cfg)
+    assert cfg.optim.lr == 1e-3
+    assert set(asdict(cfg)) == {"model", "data", "optim", "schedule", "train", "strategy", "dist", "comm"}
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: StrategyConfig(rank=-5), r"strategy.rank must be > 0, got -5"),
     (lambda: StrategyConfig(name="nonsense"), r"strategy.name must be one of 'ddp', .*got 'nonsense'"),

@@ -1,4 +1,4 @@
-"""Benchmarks: ``lordo bench step|basis|memory|e2e|bytes``. Not part of the test suite.
+"""Benchmarks: ``lordo bench step|basis|wire|memory|runs|link``. Not part of the test suite.
 
 Every benchmark measures the things it compares side by side in one process, interleaved round by round
 (this matters on a shared, noisy machine), prints a table of medians, spreads and ratios, and writes the

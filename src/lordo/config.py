@@ -334,8 +334,14 @@ class Config:
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
                 f"({self.train.steps})"
             )
-        if self.optim.lr == 0:  # the strategy's default
+        # optim.lr = 0: the strategy's default, resolved again when a built config is validated again after its
+        # strategy changed (unless optim.lr was set meanwhile); an attribute, not a field: not in config.json
+        resolved = getattr(self, "_resolved_lr", None)
+        if self.optim.lr == 0 or (resolved is not None and self.optim.lr == resolved):
             self.optim.lr = DEFAULT_LR[self.strategy.name]
+            self._resolved_lr: float | None = self.optim.lr
+        else:
+            self._resolved_lr = None
 
     def _check_torchft(self) -> None:
         """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step
