@@ -1,4 +1,5 @@
-"""Where the bases of the low-rank matrices come from (a basis policy), and the one helper that changes them.
+"""Where the bases of the low-rank matrices come from (a basis policy), the one helper that changes them, and
+the two diagnostics of a basis every low-rank strategy reports (``residual_energy``, ``error_feedback_ratio``).
 
 - :class:`GlobalBasis` (``lordo``, ``lordo-global-noqh``): one basis per matrix, the same on every worker:
   the top-r basis of the averaged pseudo-gradient at each synchronisation; the first one from the first
@@ -65,6 +66,21 @@ def residual_energy(matrices: Sequence[torch.Tensor], optimizer: LowRankQHAdam, 
     sum_over_shards(params, inside)
     energy = sum(float(t) for t in totals)
     return sum(float(t) - float(i) for t, i in zip(totals, inside)) / energy if energy > 0 else 0.0
+
+
+@torch.no_grad()
+def error_feedback_ratio(opt: LowRankQHAdam, params: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> float | None:
+    """Mean over low-rank matrices of ‖E‖/‖W‖ (None without error feedback): watches E's growth. For sharded
+    matrices, ``weights`` are this rank's shards and the norms are summed over the worker's ranks."""
+    held = [(p, e, w) for p, w in zip(params, weights, strict=True) if (e := opt.error_feedback(p)) is not None]
+    if not held:
+        return None
+    errors = [e.float().pow(2).sum() for _, e, _ in held]
+    sizes = [w.float().pow(2).sum() for _, _, w in held]
+    sum_over_shards([p for p, _, _ in held], errors)
+    sum_over_shards([p for p, _, _ in held], sizes)
+    ratios = [float(e) ** 0.5 / max(float(w) ** 0.5, 1e-12) for e, w in zip(errors, sizes)]
+    return sum(ratios) / len(ratios)
 
 
 def _own_gradients(lowrank: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:

@@ -22,24 +22,8 @@ from ..comm import Communicator
 from ..comm.codec import average
 from ..errors import ConfigError
 from ..optim import LowRankQHAdam
-from ..optim.sharded import sum_over_shards
-from .basis import BasisPolicy, GlobalBasis, residual_energy
+from .basis import BasisPolicy, GlobalBasis, error_feedback_ratio, residual_energy
 from .local_adam import LocalUpdateStrategy
-
-
-@torch.no_grad()
-def error_feedback_ratio(opt: LowRankQHAdam, params: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> float | None:
-    """Mean over low-rank matrices of ‖E‖/‖W‖ (None without error feedback): watches E's growth. For sharded
-    matrices, ``weights`` are this rank's shards and the norms are summed over the worker's ranks."""
-    held = [(p, e, w) for p, w in zip(params, weights, strict=True) if (e := opt.error_feedback(p)) is not None]
-    if not held:
-        return None
-    errors = [e.float().pow(2).sum() for _, e, _ in held]
-    sizes = [w.float().pow(2).sum() for _, _, w in held]
-    sum_over_shards([p for p, _, _ in held], errors)
-    sum_over_shards([p for p, _, _ in held], sizes)
-    ratios = [float(e) ** 0.5 / max(float(w) ** 0.5, 1e-12) for e, w in zip(errors, sizes)]
-    return sum(ratios) / len(ratios)
 
 
 def _check_error_feedback_average(optimizers: Sequence[LowRankQHAdam], options: dict) -> None:

@@ -18,8 +18,7 @@ from ..comm import Communicator
 from ..errors import ConfigError
 from ..optim import LowRankQHAdam, grad_of
 from .base import Strategy, check_number
-from .basis import change_bases, residual_energy
-from .lordo import error_feedback_ratio
+from .basis import change_bases, error_feedback_ratio, residual_energy
 
 
 class LowRankDDPStrategy(Strategy):
