@@ -331,12 +331,12 @@ class _WorkerStates(Mapping):
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self._optimizers = list(optimizers)
+        # the parameters are fixed at construction (add_param_group is refused): one lookup table, by identity
+        self._owners = {id(q): (q, opt) for opt in self._optimizers for g in opt.param_groups for q in g["params"]}
 
     def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer | None:
-        for opt in self._optimizers:
-            if any(q is p for g in opt.param_groups for q in g["params"]):
-                return opt
-        return None
+        found = self._owners.get(id(p))
+        return found[1] if found is not None and found[0] is p else None
 
     def __getitem__(self, p: torch.Tensor) -> dict:
         owner = self._owner(p)
