@@ -112,8 +112,6 @@ class TorchFTCommunicator(Communicator):
         self._current: tuple[str, int] = ("start", 0)
         self._received: dict[str, Any] | None = None
         self._in_round = False  # collectives only inside a round, where a quorum stands
-        self.settings = None  # Communicator.settings: a worker with other settings is refused when it joins
-        self.compare_settings = None
 
     @classmethod
     def from_env(cls, workers: int = 1, timeout_s: float = 60.0) -> TorchFTCommunicator:
