@@ -374,15 +374,15 @@ def test_a_run_that_lost_its_lighthouse_resumes_from_its_checkpoints_and_ends_as
     """Every worker stops when the Lighthouse dies; started again (the same commands, a new Lighthouse), each
     resumes from its checkpoint of the same step and the run ends with the uninterrupted run's model. Workers
     whose newest checkpoints are of different steps refuse to start, naming the step."""
-    settings = [*NANO, "--steps", "96", "--workers", "2", "--backend", "torchft", "--data-dir", str(data_dir),
+    settings = [*NANO, "--steps", "96", "--workers", "3", "--backend", "torchft", "--data-dir", str(data_dir),
                 "--set", "schedule.kind=constant", "--set", "train.checkpoint_every=20"]
 
     def run(out: str, lighthouse: str, kill_lighthouse: subprocess.Popen | None = None, log: str = "") -> list[int]:
-        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_MIN_REPLICAS": "2", "OMP_NUM_THREADS": "1",
-               "TORCHFT_QUORUM_TIMEOUT_SEC": "10"}
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_MIN_REPLICAS": "3", "OMP_NUM_THREADS": "1",
+               "TORCHFT_QUORUM_TIMEOUT_SEC": "20"}  # the quorum of 3 waits for the slowest to start
         procs = [subprocess.Popen([sys.executable, "-m", "lordo.cli", "train", *settings, "--out", str(tmp_path / out / f"w{r}")],
                                   env={**env, "REPLICA_GROUP_ID": str(r)}, stdout=open(tmp_path / f"{log or out}-{r}.txt", "a"),
-                                  stderr=subprocess.STDOUT) for r in range(2)]
+                                  stderr=subprocess.STDOUT) for r in range(3)]
         try:
             if kill_lighthouse is not None:
                 checkpoints = tmp_path / out / "w0" / "checkpoints"
@@ -397,31 +397,31 @@ def test_a_run_that_lost_its_lighthouse_resumes_from_its_checkpoints_and_ends_as
                     p.kill()
 
     logs = lambda out: "\n".join(f.read_text()[-1500:] for f in sorted(tmp_path.glob(f"{out}-*.txt")))  # noqa: E731
-    first, address = _lighthouse_process(2)
+    first, address = _lighthouse_process(3)
     try:
-        assert run("run", address, kill_lighthouse=first) == [2, 2], logs("run")
+        assert run("run", address, kill_lighthouse=first) == [2, 2, 2], logs("run")
     finally:
         first.kill()
     assert "did not answer" in logs("run") and "each resumes from its newest checkpoint" in logs("run")
     saved = [sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run" / f"w{r}" / "checkpoints").glob("step-*"))
-             for r in range(2)]
-    assert saved[0] and saved[0] == saved[1] and saved[0][-1] < 96 and saved[0][-1] % 8 == 0, saved
+             for r in range(3)]
+    assert saved[0] and saved[0] == saved[1] == saved[2] and saved[0][-1] < 96 and saved[0][-1] % 8 == 0, saved
     assert len(saved[0]) == 2, saved
-    second, address = _lighthouse_process(2)
+    second, address = _lighthouse_process(3)
     try:
         newest = tmp_path / "run" / "w1" / "checkpoints" / f"step-{saved[1][-1]:08d}"
         newest.rename(tmp_path / "aside")  # worker 1 would resume one checkpoint earlier than worker 0
-        assert run("run", address, log="mismatch") == [2, 2], logs("mismatch")
+        assert run("run", address, log="mismatch") == [2, 2, 2], logs("mismatch")
         (tmp_path / "aside").rename(newest)
-        assert run("run", address) == [0, 0], logs("run")
-        assert run("reference", address) == [0, 0], logs("reference")
+        assert run("run", address) == [0, 0, 0], logs("run")
+        assert run("reference", address) == [0, 0, 0], logs("reference")
     finally:
         second.kill()
-    assert logs("mismatch").count("the workers start at different steps") == 2, logs("mismatch")
+    assert logs("mismatch").count("the workers start at different steps") == 3, logs("mismatch")
     assert f"this one at step {saved[0][-1]}" in logs("mismatch")
-    resumed = [(tmp_path / f"run-{r}.txt").read_text() for r in range(2)]
+    resumed = [(tmp_path / f"run-{r}.txt").read_text() for r in range(3)]
     assert all(f"at step {saved[0][-1]}" in text for text in resumed), logs("run")  # both resumed from it
     reference = torch.load(tmp_path / "reference" / "w0" / "model.pt")
-    for r in range(2):
+    for r in range(3):
         model = torch.load(tmp_path / "run" / f"w{r}" / "model.pt")
         assert all(torch.equal(model[k], reference[k]) for k in reference)
