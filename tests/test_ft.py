@@ -228,22 +228,9 @@ def test_a_worker_with_other_settings_cannot_join(lighthouse):
 def test_a_lighthouse_that_dies_mid_run_stops_the_worker_with_one_line_naming_it():
     """The Lighthouse is every worker's single point of failure: its loss (the process killed) is said in one
     line at the next round (a raw TimeoutError from torchft's client after its quorum timeout before)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve = (f"from torchft._torchft import LighthouseServer; import time; server = LighthouseServer("
-             f"bind='[::]:{port}', min_replicas=1, join_timeout_ms=100); time.sleep(300)")
-    server = subprocess.Popen([sys.executable, "-c", serve])
-    address, comm = f"http://127.0.0.1:{port}", None
+    server, address = _lighthouse_process(1, join_timeout_ms=100)
+    comm = None
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
         comm = TorchFTCommunicator(1, 0, lighthouse=address, quorum_timeout_s=3.0)
         model = nn.Linear(8, 8)
         opt = lordo.distributed(model, "local-adam", backend=comm, sync_every=2, lr=1e-2)
@@ -351,7 +338,7 @@ def test_trainer_settings_that_would_desynchronise_rounds_are_refused(override, 
         build_config(None, ["dist.backend=\"torchft\"", override])
 
 
-def _lighthouse_process(min_replicas: int) -> tuple[subprocess.Popen, str]:
+def _lighthouse_process(min_replicas: int, join_timeout_ms: int = 30000) -> tuple[subprocess.Popen, str]:
     """A Lighthouse in a process of its own (so that it can be killed), and its address once it listens."""
     import socket
 
@@ -359,7 +346,7 @@ def _lighthouse_process(min_replicas: int) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve = (f"from torchft._torchft import LighthouseServer; import time; server = LighthouseServer(bind='[::]:{port}', "
-             f"min_replicas={min_replicas}, join_timeout_ms=30000, heartbeat_timeout_ms=1500); time.sleep(600)")
+             f"min_replicas={min_replicas}, join_timeout_ms={join_timeout_ms}, heartbeat_timeout_ms=1500); time.sleep(600)")
     proc = subprocess.Popen([sys.executable, "-c", serve])
     for _ in range(200):
         try:
