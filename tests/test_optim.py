@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import lordo.optim.optimizer as optimizer_module
+import lordo.optim.feedback as feedback_module
 from lordo.optim import (
     LowRankQHAdam,
     back_project,
@@ -345,7 +345,7 @@ def test_the_research_codes_momentum_step_equals_its_formula_in_float64(shape, a
 def test_a_deferred_buffers_factor_folded_in_early_changes_nothing(shape, monkeypatch):
     """E ← ω·E shrinks a deferred buffer's factor and multiplies it in once below FOLD_BELOW (every ~66 steps
     at ω = 0.9); with the threshold raised to 0.75 it is multiplied in every third step, still the spec."""
-    monkeypatch.setattr(optimizer_module, "FOLD_BELOW", 0.75)
+    monkeypatch.setattr(feedback_module, "FOLD_BELOW", 0.75)
     _seven_steps_against_the_spec(shape, "grad+error", "remove")
 
 

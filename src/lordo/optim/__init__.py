@@ -1,19 +1,21 @@
 """LoRDO's optimizer math: pure functions and a torch.optim.Optimizer. Imports torch.distributed only to step
 parameters sharded by FSDP2 (``sharded.py``, when it meets one)."""
 
-from .functional import lowrank_qh_adam_update, qh_adam_update
+from .functional import lowrank_qh_adam, lowrank_qh_adam_update, qh_adam_update
 from .lowrank import back_project, project, project_with_feedback, rotate_moments
 from .optimizer import LowRankQHAdam
 from .sharded import fsdp_placement
-from .subspace import captured_energy, check_rank, grad_of, overlap, side_of, subspace_iteration_basis, svd_basis
+from .subspace import Side, captured_energy, check_rank, grad_of, overlap, side_of, subspace_iteration_basis, svd_basis
 
 __all__ = [
     "LowRankQHAdam",
+    "Side",
     "back_project",
     "captured_energy",
     "check_rank",
     "fsdp_placement",
     "grad_of",
+    "lowrank_qh_adam",
     "lowrank_qh_adam_update",
     "overlap",
     "project",

@@ -1,6 +1,12 @@
 """Stateless update kernels: the low-rank quasi-hyperbolic Adam step and full-rank QHAdam.
 
-Shapes: W, G, E are p×q; u, v are the low-rank moments (p×r on the right side, r×q on the left).
+:func:`lowrank_qh_adam` is the one functional entry of the low-rank step, as torch's ``adam()`` is Adam's: it
+takes tensor lists and the hyper-parameters (keyword-only) and runs one of two implementations with the same
+signature, chosen by the caller: per matrix (each list entry one matrix: multi-tensor moment math over all of
+them, one fused GEMM and one pass per matrix) or batched (each list entry a stack of n matrices of one shape,
+(n, ...) tensors: one ``baddbmm`` and a few batched passes per stack, optionally through ``torch.compile``).
+
+Shapes of one matrix: W, G, E are p×q; u, v are the low-rank moments (p×r on the right side, r×q on the left).
 """
 
 from __future__ import annotations
@@ -10,57 +16,23 @@ from collections.abc import Callable
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
-from .subspace import RIGHT
+from .subspace import Side
+
+Sums = Callable[[list[torch.Tensor]], None]
 
 
 @torch.no_grad()
-def lowrank_qh_adam_update(
-    param: torch.Tensor,
-    g: torch.Tensor,
-    qh_grad: torch.Tensor | None,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    basis: torch.Tensor,
-    side: str,
-    step: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    omega: float,
-    qh_lowrank: torch.Tensor | None = None,
-    lowrank_term: str = "adam",
-) -> None:
-    """One step from the low-rank gradient ``g`` (already projected); ``step`` (a 0-d tensor, the steps taken
-    so far) is incremented first, as in torch's kernels, and t is its new value:
-
-        u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
-        û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
-        A = qh_grad − back(qh_lowrank)            (A = qh_grad when qh_lowrank is None)
-        U = ω·back(û/D) + (1−ω)·A/mean(D)       (ω·back(û) + ... with lowrank_term "momentum")
-        W ← W·(1 − η·λ) − η·U
-
-    ``A`` is the full-rank gradient of the quasi-hyperbolic term (G, or G + E); unused when ω = 1 or
-    ``qh_grad`` is None. ``qh_lowrank`` (shaped like ``g``) lets a caller pass G + E as a running sum S and
-    its low-rank part, A = S − back(c), without forming A: the back-projection joins the GEMM of the
-    low-rank update."""
-    lowrank_qh_adam_update_many([param], [g], [qh_grad], [exp_avg], [exp_avg_sq], [basis], [side], [step], lr=lr,
-                                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, omega=omega,
-                                qh_lowranks=None if qh_lowrank is None else [qh_lowrank], lowrank_term=lowrank_term)
-
-
-@torch.no_grad()
-def lowrank_qh_adam_update_many(
-    params: list[torch.Tensor],
+def lowrank_qh_adam(
+    weights: list[torch.Tensor],
     gs: list[torch.Tensor],
-    qh_grads: list[torch.Tensor | None],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     bases: list[torch.Tensor],
-    sides: list[str],
+    sides: list[Side],
     state_steps: list[torch.Tensor],
+    qh_fulls: list[torch.Tensor | None],
+    qh_lows: list[torch.Tensor | None],
+    qh_factors: list,
     *,
     lr: float,
     beta1: float,
@@ -68,25 +40,56 @@ def lowrank_qh_adam_update_many(
     eps: float,
     weight_decay: float,
     omega: float,
-    qh_lowranks: list[torch.Tensor | None] | None = None,
-    qh_scales: list[float] | None = None,
-    lowrank_scale: float = 1.0,
-    moment_numels: list[int] | None = None,
-    sum_totals: Callable[[list[torch.Tensor]], None] | None = None,
+    scale: float = 1.0,
     lowrank_term: str = "adam",
+    moment_numels: list[int] | None = None,
+    sum_totals: Sums | None = None,
+    batched: bool = False,
+    compiled: bool = False,
 ) -> None:
-    """:func:`lowrank_qh_adam_update` for several matrices (``lowrank_term = "momentum"``: the low-rank update is
-    ω·back(û), the momentum not divided by D, as in the authors' research code; D still scales the QH term;
-    ``lowrank_scale``: GaLore's ``scale``, a factor on
-    the low-rank update ω·back(û/D) only; ``qh_scales``: a factor per matrix on its full-size QH input, which
-    holds A/factor): the moment math on the small low-rank tensors runs
-    as multi-tensor (foreach) ops, the two full-size updates of each matrix as one fused GEMM and one pass.
+    """One step of each matrix from its projected gradient g; ``state_steps`` (the steps taken so far: 0-d
+    tensors, or (n,) for a stack) are incremented first, as in torch's kernels, and t is the new value:
 
-    For shards of matrices (optim/sharded.py) mean(D) is over the whole matrix: ``moment_numels`` gives each
-    matrix's number of moment entries and ``sum_totals`` turns the shards' sums of D into the matrices' sums
-    in place."""
-    if not params:
+        u ← β1·u + (1−β1)·g ;  v ← β2·v + (1−β2)·g²
+        û = u/(1−β1^t) ;  D = sqrt(v/(1−β2^t)) + ε
+        L = û/D (lowrank_term "adam") or û ("momentum": the authors' research code)
+        A = factor·full − back(low)                 (the full-rank term's input: G, or G + E)
+        W ← W·(1 − η·λ) − η·(ω·scale·back(L) + (1−ω)·A/mean(D))
+
+    ``qh_fulls[i]`` None: no full-rank term for matrix i (also when ω = 1); ``qh_lows[i]`` None: A = factor·full.
+    Passing G + E as a running sum S and its low-rank part c (A = S − back(c)) avoids forming A: the
+    back-projection joins the GEMM of the low-rank update (optim/feedback.py). ``scale``: GaLore's factor on the
+    low-rank update. For shards of matrices (optim/sharded.py) mean(D) is over the whole matrix: ``moment_numels``
+    gives each matrix's number of moment entries and ``sum_totals`` turns the shards' sums of D into the whole
+    matrices' sums in place (per-matrix implementation only). ``batched``: the entries are stacks (n, ...) of one
+    side each, and each ``qh_factors`` entry n numbers, one per matrix; ``compiled``: the batched update runs
+    through ``torch.compile``."""
+    if not weights:
         return
+    implementation = _batched if batched else _per_matrix
+    implementation(weights, gs, exp_avgs, exp_avg_sqs, bases, sides, state_steps, qh_fulls, qh_lows, qh_factors,
+                   lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, omega=omega, scale=scale,
+                   lowrank_term=lowrank_term, moment_numels=moment_numels, sum_totals=sum_totals, compiled=compiled)
+
+
+@torch.no_grad()
+def lowrank_qh_adam_update(param: torch.Tensor, g: torch.Tensor, qh_grad: torch.Tensor | None, exp_avg: torch.Tensor,
+                           exp_avg_sq: torch.Tensor, basis: torch.Tensor, side: Side, step: torch.Tensor, *,
+                           qh_lowrank: torch.Tensor | None = None, **hyper) -> None:
+    """:func:`lowrank_qh_adam` for one matrix: A = qh_grad − back(qh_lowrank)."""
+    lowrank_qh_adam([param], [g], [exp_avg], [exp_avg_sq], [basis], [side], [step], [qh_grad], [qh_lowrank], [1.0],
+                    **hyper)
+
+
+Tensors = list[torch.Tensor]
+Optionals = list[torch.Tensor | None]
+
+
+def _per_matrix(weights: Tensors, gs: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, bases: Tensors,
+                sides: list[Side], state_steps: Tensors, qh_fulls: Optionals, qh_lows: Optionals, qh_factors: list, *,
+                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, omega: float, scale: float,
+                lowrank_term: str, moment_numels: list[int] | None, sum_totals: Sums | None, compiled: bool) -> None:
+    """Multi-tensor (foreach) moment math over every matrix, then one GEMM and one pass per matrix."""
     torch._foreach_add_(state_steps, 1)
     steps = [int(t) for t in torch.stack(state_steps).tolist()]  # one host read for all the bias corrections
     torch._foreach_mul_(exp_avgs, beta1)
@@ -104,39 +107,125 @@ def lowrank_qh_adam_update_many(
     qh = omega < 1.0
     # sum(D') of every matrix in one call (D' > 0, so its L1 norm), kept as 0-d tensors: no host
     # synchronisation on GPUs
-    totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(params)
+    totals = torch._foreach_norm(denoms, 1) if qh else [None] * len(weights)
     if qh and sum_totals is not None:
         sum_totals(totals)  # type: ignore[arg-type]
     numels = moment_numels if moment_numels is not None else [d.numel() for d in denoms]
-    decay = 1 - lr * weight_decay
-    lows = qh_lowranks if qh_lowranks is not None else [None] * len(params)
-    factors = qh_scales if qh_scales is not None else [1.0] * len(params)
-    for weight, qh_grad, low, factor, basis, side, step, root, ratio, numel, total in zip(
-            params, qh_grads, lows, factors, bases, sides, steps, roots, ratios, numels, totals, strict=True):
-        # a bf16/fp16 matrix is updated in float32 (the moments' precision) and rounded once
-        param = weight if weight.dtype == ratio.dtype else weight.to(ratio.dtype)
-        with_qh = qh and qh_grad is not None
+    for weight, full, low, factor, basis, side, step, root, ratio, numel, total in zip(
+            weights, qh_fulls, qh_lows, qh_factors, bases, sides, steps, roots, ratios, numels, totals, strict=True):
+        with_qh = qh and full is not None
         # the QH term's scale: − η(1−ω)·A/mean(D) = − η(1−ω)·numel·sqrt(bc2)·A/sum(D')
         kappa = lr * (1 - omega) * numel * root
-        alpha = -lr * (omega if with_qh else 1.0) * lowrank_scale * (1.0 if momentum else root) / (1 - beta1**step)
-        if with_qh and low is not None:
-            assert total is not None
-            # + η(1−ω)·back(c)/mean(D) joins the low-rank update: one GEMM for both
-            ratio = torch.addcdiv(ratio.mul(alpha), low.to(ratio.dtype), total, value=kappa)
-            alpha = 1.0
-        ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
-        basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
-        # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
-        if side == RIGHT:
-            param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
+        alpha = -lr * (omega if with_qh else 1.0) * scale * (1.0 if momentum else root) / (1 - beta1**step)
+        _apply_one(weight, ratio, basis, side, full if with_qh else None, low, total, alpha=alpha, kappa=kappa,
+                   factor=factor, decay=1 - lr * weight_decay)
+
+
+def _apply_one(weight: torch.Tensor, ratio: torch.Tensor, basis: torch.Tensor, side: Side, full: torch.Tensor | None,
+               low: torch.Tensor | None, total: torch.Tensor | None, *, alpha: float, kappa: float, factor: float,
+               decay: float) -> None:
+    """W ← decay·W + α·back(ratio) + κ·(back(low) − factor·full)/total: one fused GEMM, one pass."""
+    # a bf16/fp16 matrix is updated in float32 (the moments' precision) and rounded once
+    param = weight if weight.dtype == ratio.dtype else weight.to(ratio.dtype)
+    if full is not None and low is not None:
+        assert total is not None
+        # + η(1−ω)·back(c)/mean(D) joins the low-rank update: one GEMM for both
+        ratio = torch.addcdiv(ratio.mul(alpha), low.to(ratio.dtype), total, value=kappa)
+        alpha = 1.0
+    ratio = ratio if ratio.dtype == param.dtype else ratio.to(param.dtype)
+    basis = basis if basis.dtype == param.dtype else basis.to(param.dtype)
+    # W ← (1 − ηλ)·W − η·ω·back(û/D) in one fused GEMM: no full-size temporary
+    if side == Side.RIGHT:
+        param.addmm_(ratio, basis.T, beta=decay, alpha=alpha)
+    else:
+        param.addmm_(basis, ratio, beta=decay, alpha=alpha)
+    if full is not None:
+        assert total is not None
+        param.addcdiv_(full if full.dtype == param.dtype else full.to(param.dtype),
+                       total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa * factor)
+    if param is not weight:
+        weight.copy_(param)
+
+
+def _batched(weights: Tensors, gs: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tensors, bases: Tensors,
+             sides: list[Side], state_steps: Tensors, qh_fulls: Optionals, qh_lows: Optionals, qh_factors: list, *,
+             lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, omega: float, scale: float,
+             lowrank_term: str, moment_numels: list[int] | None, sum_totals: Sums | None, compiled: bool) -> None:
+    """Each entry a stack of n matrices (float32 or wider ``weights``): per-matrix scalars as (n, 1, 1) tensors, the
+    update as one graph of batched calls (:func:`stack_update`)."""
+    if sum_totals is not None:
+        raise ValueError("the batched step does not take shards of matrices (sum_totals)")
+    momentum = lowrank_term == "momentum"  # L = û, not û/D: no sqrt(bc2) to undo
+    for work, g, u, v, basis, side, steps, full, low, factor in zip(
+            weights, gs, exp_avgs, exp_avg_sqs, bases, sides, state_steps, qh_fulls, qh_lows, qh_factors, strict=True):
+        steps.add_(1)
+        with_qh = omega < 1 and full is not None
+        # the step counts live on the CPU: the scales are computed there and sent in one small copy, no device
+        # synchronisation (D' = sqrt(bc2)·D as in _per_matrix)
+        ts = steps.tolist()
+        roots = [(1 - beta2**t) ** 0.5 for t in ts]
+        alpha = -lr * (omega if with_qh else 1.0) * scale
+        kappa = lr * (1 - omega) * u[0].numel()  # κ: − η(1−ω)·A/mean(D) = − κ·A/ΣD'
+        scales = torch.tensor([
+            [eps * root for root in roots],
+            [alpha * (1.0 if momentum else root) / (1 - beta1**t) for root, t in zip(roots, ts)],
+            [kappa * root for root in roots],
+            [kappa * root * f for root, f in zip(roots, factor, strict=True)],
+            [1 - lr * weight_decay] * len(roots),
+        ], dtype=u.dtype).view(5, -1, 1, 1).to(u.device)
+        args = (work, u, v, g, basis, full if with_qh else None, low if with_qh else None, scales)
+        if compiled:
+            compiled_stack_update(*args, None, b1=beta1, b2=beta2, side=side, momentum=momentum)
         else:
-            param.addmm_(basis, ratio, beta=decay, alpha=alpha)
-        if with_qh:
-            assert qh_grad is not None and total is not None
-            param.addcdiv_(qh_grad if qh_grad.dtype == param.dtype else qh_grad.to(param.dtype),
-                           total if total.dtype == param.dtype else total.to(param.dtype), value=-kappa * factor)
-        if param is not weight:
-            weight.copy_(param)
+            stack_update(*args, 1 - lr * weight_decay, b1=beta1, b2=beta2, side=side, momentum=momentum)
+
+
+def stack_update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.Tensor, basis: torch.Tensor,
+                 full: torch.Tensor | None, low: torch.Tensor | None, scales: torch.Tensor, decay: float | None, *,
+                 b1: float, b2: float, side: Side, momentum: bool = False) -> None:
+    """The step of a stack from its projected gradients ``g``, in place: the moments u, v and the stacked weights
+    ``work``. ``scales`` (5, n, 1, 1): ε·sqrt(bc2), the low-rank update's factor α, the QH term's κ on back(low) and
+    on full (κ·factor), and the weight decay's factor 1 − ηλ per matrix; ``full``/``low``: the QH term's
+    A = factor·full − back(low) (None: no QH term); ``momentum``: the low-rank update is the momentum, not û/D.
+
+    Plain tensor code without host reads, so ``torch.compile`` captures it whole (:func:`compiled_stack_update`).
+    ``decay``: 1 − ηλ as a number (eager: the GEMM's β, no extra pass), or None to take it from ``scales``
+    (compiled: a number would be a constant of the graph, recompiled at every learning rate)."""
+    eps_root, alpha, kappa, kappa_full, decays = scales.unbind(0)
+    u.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = v.sqrt().add_(eps_root)
+    ratio = u * alpha if momentum else (u / denom).mul_(alpha)
+    inverse = None
+    if full is not None:
+        inverse = 1 / denom.sum(dim=(1, 2), keepdim=True)
+        if low is not None:
+            ratio.addcmul_(low.to(ratio.dtype), kappa * inverse)  # + back(κ/ΣD'·c) joins the low-rank update's GEMM
+    ratio, basis = ratio.to(work.dtype), basis.to(work.dtype)
+    left, right = (ratio, basis.transpose(1, 2)) if side == Side.RIGHT else (basis, ratio)
+    if decay is None:  # the GEMM alone, its epilogue (decay, QH term) fused into one pass by inductor
+        work.mul_(decays).add_(torch.bmm(left, right))
+    else:
+        work.baddbmm_(left, right, beta=decay)
+    if full is not None:
+        assert inverse is not None
+        work.addcmul_(full.to(work.dtype), (-kappa_full * inverse).to(work.dtype))
+
+
+_compiled: Callable | None = None
+
+
+def compiled_stack_update(*args, **kwargs) -> None:
+    """:func:`stack_update` through ``torch.compile`` (compiled on first use; one graph per shape and mode, shapes
+    dynamic after the second): the elementwise work of a step fused into few kernels."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(stack_update, fullgraph=True)
+    try:
+        _compiled(*args, **kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as err:
+        raise RuntimeError("LowRankQHAdam(compile=True): torch.compile could not build the step on this machine "
+                           "(on the CPU it needs a C++ compiler, on a GPU Triton); use compile=False") from err
 
 
 @torch.no_grad()

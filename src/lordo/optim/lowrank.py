@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from .subspace import RIGHT
+from .subspace import Side
 
 
-def project(a: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+def project(a: torch.Tensor, basis: torch.Tensor, side: Side) -> torch.Tensor:
     """p×q → p×r (right side: A·P) or r×q (left side: Pᵀ·A)."""
-    return a @ basis if side == RIGHT else basis.T @ a
+    return a @ basis if side == Side.RIGHT else basis.T @ a
 
 
-def back_project(g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+def back_project(g: torch.Tensor, basis: torch.Tensor, side: Side) -> torch.Tensor:
     """Low-rank → p×q: g·Pᵀ (right) or P·g (left)."""
-    return g @ basis.T if side == RIGHT else basis @ g
+    return g @ basis.T if side == Side.RIGHT else basis @ g
 
 
-def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis: torch.Tensor, side: str) -> torch.Tensor:
+def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis: torch.Tensor, side: Side) -> torch.Tensor:
     """g = proj(G + E), and E ← (G + E) − back(g) in place: what the projection drops is fed back next step.
 
     With ``error`` None (error feedback off) this is g = proj(G)."""
@@ -32,13 +32,13 @@ def project_with_feedback(grad: torch.Tensor, error: torch.Tensor | None, basis:
     return g
 
 
-def remove_projection(a: torch.Tensor, basis: torch.Tensor, side: str, scale: float = 1.0) -> torch.Tensor:
+def remove_projection(a: torch.Tensor, basis: torch.Tensor, side: Side, scale: float = 1.0) -> torch.Tensor:
     """A ← scale·(A − back(proj(A))) in place, keeping what lies outside the basis's subspace; returns proj(A).
 
     Two GEMMs; the back-projection and the scale are fused into the update (no full-size temporary)."""
     basis = basis if basis.dtype == a.dtype else basis.to(a.dtype)
     g = project(a, basis, side)
-    if side == RIGHT:
+    if side == Side.RIGHT:
         a.addmm_(g, basis.T, beta=scale, alpha=-scale)
     else:
         a.addmm_(basis, g, beta=scale, alpha=-scale)
@@ -50,7 +50,7 @@ def rotate_moments(
     exp_avg_sq: torch.Tensor,
     old: torch.Tensor,
     new: torch.Tensor,
-    side: str,
+    side: Side,
     step: int,
     beta1: float,
     beta2: float,
@@ -70,7 +70,7 @@ def rotate_moments(
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     u_hat = exp_avg.to(work) / bc1
     variance = (exp_avg_sq.to(work) / bc2 - u_hat.square()).clamp_(min=0)
-    if side == RIGHT:  # moments are p×r: the reduced axis is the last one
+    if side == Side.RIGHT:  # moments are p×r: the reduced axis is the last one
         rotated_u = u_hat @ c.T
         rotated_var = variance @ c.square().T
     else:  # r×q

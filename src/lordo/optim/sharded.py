@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .subspace import LEFT, side_of
+from .subspace import Side, side_of
 
 _DTENSOR: list[type] = []  # DTensor's class, once its module is imported (called every step: kept cheap)
 
@@ -48,7 +48,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def long_side(shape: Sequence[int]) -> int:
     """The dimension a low-rank matrix may be split along: rows on the right side, columns on the left."""
-    return 1 if side_of(tuple(shape)) == LEFT else 0
+    return 1 if side_of(tuple(shape)) == Side.LEFT else 0
 
 
 def fsdp_placement(param: torch.nn.Parameter):
@@ -87,6 +87,16 @@ def gather(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     whole = DTensor.from_local(shard.contiguous(), p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
                                shape=p.shape, stride=p.stride())
     return whole.full_tensor()
+
+
+def whole(p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """``matrix`` shaped like ``p``: as given, or gathered from every rank's shard when ``p`` is sharded and
+    ``matrix`` is this rank's shard (a collective over ``p``'s mesh: call it on every rank)."""
+    if is_sharded(matrix):
+        return matrix.full_tensor()  # type: ignore[attr-defined]
+    if is_sharded(p) and tuple(matrix.shape) != tuple(p.shape):
+        return gather(p, matrix)
+    return matrix
 
 
 def sum_over_shards(params: Sequence[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -10,11 +10,17 @@ largest magnitude in each column is positive), so the same matrix gives the same
 
 from __future__ import annotations
 
+import enum
 import warnings
 
 import torch
 
-RIGHT, LEFT = "right", "left"
+
+class Side(str, enum.Enum):
+    """The side of a p×q matrix that its basis compresses: the smaller one."""
+
+    RIGHT = "right"  # p ≥ q: P is q×r, proj(A) = A·P (p×r), back(g) = g·Pᵀ
+    LEFT = "left"  # p < q: P is p×r, proj(A) = Pᵀ·A (r×q), back(g) = P·g
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -24,9 +30,9 @@ def grad_of(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def side_of(shape: torch.Size | tuple[int, ...]) -> str:
+def side_of(shape: torch.Size | tuple[int, ...]) -> Side:
     p, q = shape
-    return RIGHT if p >= q else LEFT
+    return Side.RIGHT if p >= q else Side.LEFT
 
 
 def check_rank(rank: int, shape: tuple[int, ...], name: str = "rank") -> None:
@@ -35,9 +41,9 @@ def check_rank(rank: int, shape: tuple[int, ...], name: str = "rank") -> None:
         raise ValueError(f"{name} must be an integer in [1, {limit}] for a {shape[0]}×{shape[1]} matrix, got {rank!r}")
 
 
-def _oriented(a: torch.Tensor, side: str) -> torch.Tensor:
+def _oriented(a: torch.Tensor, side: Side) -> torch.Tensor:
     """The matrix whose *right* singular vectors we want: A for the right side, Aᵀ for the left."""
-    return a if side == RIGHT else a.T
+    return a if side == Side.RIGHT else a.T
 
 
 def canonical_signs(basis: torch.Tensor) -> torch.Tensor:
@@ -48,7 +54,7 @@ def canonical_signs(basis: torch.Tensor) -> torch.Tensor:
     return basis * signs
 
 
-def svd_basis(a: torch.Tensor, rank: int, side: str | None = None) -> torch.Tensor | None:
+def svd_basis(a: torch.Tensor, rank: int, side: Side | None = None) -> torch.Tensor | None:
     """Top-``rank`` singular basis of ``a`` (p×q) on its compressed side, exact (fp32 SVD).
 
     Returns None if the SVD does not converge (the caller keeps its previous basis)."""
@@ -66,7 +72,7 @@ def svd_basis(a: torch.Tensor, rank: int, side: str | None = None) -> torch.Tens
 
 
 def subspace_iteration_basis(
-    a: torch.Tensor, rank: int, previous: torch.Tensor | None, iters: int = 1, side: str | None = None
+    a: torch.Tensor, rank: int, previous: torch.Tensor | None, iters: int = 1, side: Side | None = None
 ) -> torch.Tensor | None:
     """A top-``rank`` basis by block power iteration warm-started from ``previous`` (e.g. the last basis).
 
@@ -87,7 +93,7 @@ def subspace_iteration_basis(
     return canonical_signs(p.contiguous())
 
 
-def captured_energy(a: torch.Tensor, basis: torch.Tensor, side: str | None = None) -> float:
+def captured_energy(a: torch.Tensor, basis: torch.Tensor, side: Side | None = None) -> float:
     """‖A projected onto the basis‖² / ‖A‖² (1 = A lies in the span)."""
     side = side or side_of(a.shape)
     m = _oriented(a.float(), side)

@@ -1,0 +1,118 @@
+"""A parameter's optimizer state: created on first use, gathered into the lists the kernels take, its bytes, and
+the conversions a loaded checkpoint needs.
+
+:func:`group_lists` is the one place where the step turns a parameter sharded by FSDP2 (a DTensor) into this
+rank's shard of it (optim/sharded.py): the kernels see plain tensors only, and a sharded group's lists carry what
+its kernels need besides (each whole matrix's number of moment entries, the sum over the shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import feedback
+from .options import check_dense
+from .sharded import is_sharded, local, sum_over_shards, whole
+from .subspace import Side, grad_of, side_of, svd_basis
+
+
+@dataclass
+class Lists:
+    """One group's parameters as the kernels take them."""
+
+    params: list[torch.Tensor]  # as the caller holds them (DTensors, when sharded)
+    weights: list[torch.Tensor]  # what this rank updates: a sharded parameter's shard
+    grads: list[torch.Tensor]  # their gradients, likewise
+    states: list[dict]
+    sides: list[Side]  # low-rank groups only
+    moment_numels: list[int] | None = None  # a whole matrix's moment entries, when some are shards
+    sum_totals: Callable | None = None  # sums over the shards of each matrix, likewise
+
+
+def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping) -> Lists:
+    """The lists the kernels take for ``params`` of ``group``, each parameter's state created on first use (a
+    low-rank matrix's basis from its whole gradient)."""
+    for p in params:
+        check_dense(p)
+        if group["rank"] is None and "step" not in state[p]:
+            init_full_rank(state[p], p)
+        elif group["rank"] is not None and "basis" not in state[p]:
+            basis = svd_basis(whole(p, grad_of(p)), group["rank"])
+            if basis is None:
+                raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
+            init_lowrank(state[p], p, group, basis)
+    lowrank = group["rank"] is not None
+    lists = Lists(params, [local(p) for p in params], [local(grad_of(p)) for p in params], [state[p] for p in params],
+                  [side_of(p.shape) for p in params] if lowrank else [])
+    if lowrank and any(is_sharded(p) for p in params):
+        lists.moment_numels = [p.shape[0 if s == Side.RIGHT else 1] * group["rank"] for p, s in zip(params, lists.sides)]
+        lists.sum_totals = functools.partial(sum_over_shards, params)
+    return lists
+
+
+def init_full_rank(state: dict, p: torch.Tensor) -> None:
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    # float32 moments for a bf16/fp16 parameter: Adam's g² and ε underflow in half precision
+    state["exp_avg"] = torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32))
+    state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+
+
+def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor) -> None:
+    r = group["rank"]
+    side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
+    shape = (p.shape[0], r) if side == Side.RIGHT else (r, p.shape[1])
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    state["basis"] = basis.to(device=p.device, dtype=torch.float32).clone()  # never alias the caller's tensor
+    # low-rank moments are small (r per row): float32 even for a bf16/fp16 matrix, where Adam's g² and ε would
+    # underflow
+    moment_dtype = torch.promote_types(p.dtype, torch.float32)
+    state["exp_avg"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+    state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+    if group["error_feedback"]:
+        state["error_feedback"] = torch.zeros_like(p, dtype=group.get("error_feedback_dtype") or p.dtype)
+
+
+def tensor_steps(state_dict: dict) -> dict:
+    """A state whose ``step`` entries are numbers (older torch optimizers' format; torch's own
+    test_load_nontensor_step) with them as the 0-d float32 tensors this optimizer keeps."""
+    if not any("step" in s and not isinstance(s["step"], torch.Tensor) for s in state_dict.get("state", {}).values()):
+        return state_dict
+    state = {k: ({**s, "step": torch.tensor(float(s["step"]), dtype=torch.float32)}
+                 if "step" in s and not isinstance(s["step"], torch.Tensor) else s)
+             for k, s in state_dict["state"].items()}
+    return {**state_dict, "state": state}
+
+
+def restore_saved_dtypes(state: MutableMapping, params: Sequence[torch.Tensor], saved: dict) -> None:
+    """Each loaded state tensor back at its saved dtype (torch's ``load_state_dict`` casts them to their
+    parameter's)."""
+    for index, entries in saved.items():
+        own = state[params[int(index)]]
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and own[key].dtype != value.dtype:
+                own[key] = value.to(device=own[key].device, copy=True)
+
+
+def state_bytes(groups: Sequence[dict]) -> dict[str, int]:
+    """Bytes of state by category: low-rank moments, full-rank moments, bases, error feedback (this rank's shard of
+    a sharded parameter: what this device holds)."""
+    out = {"lowrank_moments": 0, "full_rank_moments": 0, "bases": 0, "error_feedback": 0}
+    for group in groups:
+        for param in group["params"]:
+            p = local(param)
+            itemsize = p.element_size()
+            if group["rank"] is None:
+                out["full_rank_moments"] += 2 * p.numel() * max(itemsize, 4)
+                continue
+            r = group["rank"]
+            big = p.shape[0] if side_of(param.shape) == Side.RIGHT else p.shape[1]
+            out["lowrank_moments"] += 2 * big * r * max(itemsize, 4)
+            out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
+            if group["error_feedback"]:
+                ef_dtype = group.get("error_feedback_dtype") or p.dtype
+                out["error_feedback"] += feedback.state_bytes(p.numel(), big * r, ef_dtype, p.dtype, group)
+    return out
