@@ -202,13 +202,15 @@ def test_bad_options_are_refused(kwargs, message):
         LowRankQHAdam([torch.nn.Parameter(torch.zeros(9, 5))], **kwargs)
 
 
-def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit():
+@pytest.mark.parametrize("batched", [False, True])
+def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit(batched):
     model, twin = mlp(), mlp()
     mats, vecs = matrices_and_vectors(model)
 
     def make(m):
         a, b = matrices_and_vectors(m)
-        return LowRankQHAdam([{"params": a, "rank": 2}, {"params": b, "rank": None}], lr=1e-2, omega=0.9)
+        return LowRankQHAdam([{"params": a, "rank": 2}, {"params": b, "rank": None}], lr=1e-2, omega=0.9,
+                             batched=batched)
 
     opt = make(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -755,3 +757,32 @@ def lordo_groups(model):
     import lordo
 
     return lordo.param_groups(model, rank=4)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_state_saved_before_the_redesign_continues_as_that_code_continued_it(batched):
+    """tests/data/saved_optimizer.pt was written by the code of commit 0cd4596 (its generator is beside it): the
+    state after 3 steps, and the parameters after 3 more with a basis set anew. Loaded by today's code, the run
+    continues to those parameters: bit for bit on the per-matrix path (what the saving run used), to float
+    rounding on the batched one."""
+    import importlib.util
+    from pathlib import Path
+
+    here = Path(__file__).with_name("data")
+    spec = importlib.util.spec_from_file_location("make_saved_optimizer", here / "make_saved_optimizer.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    saved = torch.load(here / "saved_optimizer.pt", weights_only=True)
+    m = maker.model()
+    m.load_state_dict(saved["model"])
+    opt = maker.optimizer(m)
+    opt.param_groups[0]["batched"] = batched
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.param_groups[0]["batched"] is batched  # how it runs stays this optimizer's choice
+    for t in range(3, 7):
+        maker.step(m, opt, t)
+    for key, value in m.state_dict().items():
+        if batched:
+            torch.testing.assert_close(value, saved["after"][key], rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(value, saved["after"][key]), key
