@@ -27,6 +27,7 @@ import torch
 
 from .config import build_config
 from .errors import ConfigError
+from .optim.functional import takes_fused_adamw
 
 
 def machine() -> dict[str, Any]:
@@ -113,8 +114,7 @@ def _shape_overrides(preset: str, d_model: int | None, n_layers: int | None) -> 
 
 
 def _model_params(preset: str, device: torch.device, d_model: int | None = None, n_layers: int | None = None):
-    from .model import group_parameters
-    from .train.loop import build_model
+    from .model import build_model, group_parameters
 
     cfg = build_config(overrides=_shape_overrides(preset, d_model, n_layers))
     model = build_model(cfg, 4096 if d_model is None else 32000).to(device)
@@ -175,10 +175,10 @@ def _adamw_optimizers(replica: Replica, device: torch.device, skipped: dict[str,
     """AdamW fused (the reference, where this torch has it for ``device``) and foreach, over every parameter."""
     out: dict[str, torch.optim.Optimizer] = {}
     for label, fused in (("AdamW fused", True), ("AdamW foreach", False)):
-        if fused and device.type == "cpu" and not _fused_cpu_ok():
-            skipped[label] = "fused AdamW is not available for CPU in this torch"
-            continue
         _, ms, os_ = replica()
+        if fused and not takes_fused_adamw(ms + os_):
+            skipped[label] = f"torch's fused AdamW does not take these tensors ({device.type})"
+            continue
         out[label] = torch.optim.AdamW(ms + os_, lr=1e-3, weight_decay=0.1, fused=fused or None,
                                        foreach=None if fused else True)
     return out
@@ -260,16 +260,6 @@ def _gemm_floor(replica: Replica, r: int, gen: torch.Generator, device: torch.de
     return gemms_only
 
 
-def _fused_cpu_ok() -> bool:
-    try:
-        p = torch.nn.Parameter(torch.zeros(2))
-        p.grad = torch.zeros(2)
-        torch.optim.AdamW([p], fused=True).step()
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (after its first step)."""
     total = 0
@@ -296,8 +286,8 @@ def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, 
     from .comm import SimCommunicator
     from .data import prepare
     from .data.sampler import BatchSampler
+    from .model import build_model
     from .strategies import LoRDOStrategy
-    from .train.loop import build_model
 
     cfg = build_config(overrides=[f'model.preset="{preset}"', 'strategy.name="lordo"', f"strategy.rank={rank}",
                                   f"strategy.sync_every={max(1, steps // 2)}", f"dist.workers={workers}",
@@ -308,15 +298,12 @@ def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, 
     strategy = opt.strategy
     assert isinstance(strategy, LoRDOStrategy)
     captured: list[dict[str, torch.Tensor]] = []
-    original = strategy.after_average
 
     def capture(delta):
-        low = strategy.lowrank_index
-        bases = [strategy.optimizer(0).state[p]["basis"].clone() for p in strategy.lowrank(0)]
-        captured.append({"deltas": [delta[i].detach().clone() for i in low], "bases": bases})
-        return original(delta)
+        bases = [strategy.optimizer(0).state[p]["basis"].clone() for p in strategy.lowrank(0)]  # before the change
+        captured.append({"deltas": [delta[i].detach().clone() for i in strategy.lowrank_index], "bases": bases})
 
-    strategy.after_average = capture  # type: ignore[method-assign]
+    strategy.round_observers.append(capture)
     samplers = [BatchSampler(data.train, cfg.model.seq_len, batch_size, 0, r, workers) for r in range(workers)]
     for _ in range(steps):
         for model, sampler in zip(models, samplers):
@@ -445,7 +432,7 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]]) -> dict[s
     Counted from the state's shapes (``memory_report``): the same on any device."""
     from .api import DistributedOptimizer
     from .comm import SimCommunicator
-    from .train.loop import build_model
+    from .model import build_model
 
     rows = []
     for preset, d_model, layers in shapes:
@@ -476,7 +463,7 @@ def wire_benchmark(preset: str, rank: int, worlds: tuple[int, ...], sync_every: 
     over ``sync_every`` steps. DDP's all-reduce of every gradient is the reference."""
     from .api import DistributedOptimizer
     from .comm import SimCommunicator
-    from .train.loop import build_model
+    from .model import build_model
 
     rows = []
     for world in worlds:

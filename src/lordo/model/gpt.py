@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 
 @dataclass(frozen=True)
@@ -150,3 +154,13 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(_at_least_fp32(logits).view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
+
+
+def build_model(cfg: Config, vocab_size: int) -> GPT:
+    """The GPT of a run's config (its ``model`` section), initialised from ``train.seed``."""
+    m = cfg.model
+    gpt_cfg = GPTConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                        seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                        init_std=m.init_std)
+    torch.manual_seed(cfg.train.seed)
+    return GPT(gpt_cfg)

@@ -11,7 +11,7 @@ Shapes of one matrix: W, G, E are p×q; u, v are the low-rank moments (p×r on t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
@@ -228,6 +228,15 @@ def compiled_stack_update(*args, **kwargs) -> None:
                            "(on the CPU it needs a C++ compiler, on a GPU Triton); use compile=False") from err
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def takes_fused_adamw(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel (one pass over all tensors; on the CPU ~5× faster than foreach) takes
+    every tensor: on the CPU or a CUDA device, of a floating dtype it handles."""
+    return all(t.device.type in ("cpu", "cuda") and t.dtype in FUSED_DTYPES for t in tensors)
+
+
 @torch.no_grad()
 def qh_adam_update(
     param: torch.Tensor,
@@ -290,7 +299,7 @@ def qh_adam_update_many(
     correction adds a few foreach passes. ω = 0 (no AdamW part) falls back to the per-tensor kernel."""
     if not params:
         return
-    supported = {p.device.type for p in params} <= {"cpu", "cuda"} and all(
+    supported = takes_fused_adamw(params) and all(
         p.dtype in (torch.float32, torch.float64) and p.dtype == m.dtype and not g.is_sparse
         for p, g, m in zip(params, grads, exp_avgs)
     )

@@ -97,6 +97,9 @@ class LocalUpdateStrategy(Strategy):
             raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
         self.syncs = 0
         self.synced_at = 0  # the step of the last synchronisation (0: the replicas start equal)
+        # called with each averaged pseudo-gradient as it arrives, before the strategy acts on it (bases, outer
+        # step): a benchmark or a diagnostic that wants the rounds' Δ; must not change it
+        self.round_observers: list[Callable[[list[torch.Tensor]], None]] = []
         if compress != "none" and compression_feedback:
             codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
@@ -272,6 +275,8 @@ class LocalUpdateStrategy(Strategy):
                 f"step {self.steps_done}); every worker was reset to the model of the previous synchronisation"
             )
         stats = {"synced": 1.0, "pseudo_grad_norm": self.total_norm(delta)}
+        for observe in self.round_observers:
+            observe(delta)
         stats.update(self.after_average(delta))
         if own is not None:
             for w, mine in zip(self.workers, own, strict=True):

@@ -30,7 +30,7 @@ from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
 from ..errors import ConfigError, NonFiniteError, Stopped
 from ..files import write_json
-from ..model import GPT, GPTConfig, format_groups
+from ..model import GPT, build_model, format_groups
 from ..optim import fsdp_placement
 from .checkpoint import Checkpointer, config_differences, load_local_state, local_state
 from .lock import OutputLock
@@ -46,15 +46,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device is 'cuda' but torch sees no CUDA device; use 'cpu' or 'auto'")
     return torch.device(name)
-
-
-def build_model(cfg: Config, vocab_size: int) -> GPT:
-    m = cfg.model
-    gpt_cfg = GPTConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                        seq_len=m.seq_len, ffn_hidden=m.ffn_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                        init_std=m.init_std)
-    torch.manual_seed(cfg.train.seed)
-    return GPT(gpt_cfg)
 
 
 @torch.no_grad()
