@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .comm.ledger import Entry, Ledger
-from .errors import ConfigError
-from .link import LinkError, ThrottledLink, unavailable
+from ..comm.ledger import Entry, Ledger
+from ..errors import ConfigError
+from ..link import LinkError, ThrottledLink, unavailable
 
 DEFAULT_VARIANTS = ("ddp", "lordo", "lordo,sync_delay=8", "lordo,compress=int8", "lordo,sync_delay=32,compress=int8")
 EVERY_STEP = ("ddp", "lowrank-ddp")  # strategies that communicate at every step: fewer steps (see --every-step-steps)

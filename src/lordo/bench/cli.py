@@ -1,0 +1,130 @@
+"""``lordo bench``'s parser and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from .basis import basis_benchmark
+from .runs import STRATEGIES, memory_benchmark, runs_benchmark, wire_benchmark
+from .step import step_benchmark
+from .timing import print_table, write_json
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="lordo bench", description=(sys.modules[__package__].__doc__ or "").splitlines()[0])
+    sub = ap.add_subparsers(dest="what", required=True, metavar="BENCH")
+    s = sub.add_parser("step", help="optimizer step: lordo vs AdamW (fused, foreach) and the GaLore peers")
+    s.add_argument("--preset", default="small", help="model shape preset whose matrices are stepped (default small)")
+    s.add_argument("--d-model", type=int, help="a custom width instead of the preset's (e.g. 768 for a 125M shape)")
+    s.add_argument("--layers", type=int, help="a custom depth (with --d-model)")
+    s.add_argument("--rank", type=int, help="default: min(p, q)/8 of the smallest low-rank matrix")
+    s.add_argument("--rounds", type=int, default=30, help="timed steps per optimizer, interleaved (default 30)")
+    s.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    s.add_argument("--no-peers", action="store_true", help="leave out the GaLore packages (the bench extra)")
+    s.add_argument("--compiled", action="store_true",
+                   help="also time the step compiled with torch.compile (row 'lordo, compiled'; compiles first)")
+    b = sub.add_parser("basis", help="basis refresh: exact SVD vs warm-started subspace iteration on real pseudo-gradients")
+    b.add_argument("--preset", default="micro", help="model shape preset of the short run (default micro)")
+    b.add_argument("--rank", type=int, default=16, help="r (default 16)")
+    b.add_argument("--steps", type=int, default=32, help="training steps (two synchronisations)")
+    b.add_argument("--iters", type=int, default=1, help="subspace iterations (the optimizer uses 1)")
+    b.add_argument("--rounds", type=int, default=20, help="timed refreshes per method (default 20)")
+    b.add_argument("--device", default="cpu", help="where the bases are computed (the run that supplies them trains on the CPU)")
+    w = sub.add_parser("wire", help="steady-state bytes sent per step of every strategy and compression, against ddp")
+    w.add_argument("--preset", default="micro", help="model shape preset (default micro)")
+    w.add_argument("--rank", type=int, default=16, help="r (default 16)")
+    w.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
+    m = sub.add_parser("memory", help="optimizer-related device memory against AdamW's, at r = min(p, q)/8")
+    m.add_argument("--shapes", default="micro,paper-16m,d768x12",
+                   help="comma-separated presets or dMODELxLAYERS shapes (vocabulary 32000 for the latter)")
+    r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
+    r.add_argument("--preset", default="micro", help="model shape preset (default micro)")
+    r.add_argument("--steps", type=int, default=64, help="training steps per run (default 64)")
+    r.add_argument("--rank", type=int, default=16, help="r (default 16)")
+    r.add_argument("--workers", type=int, default=4, help="simulated workers (default 4)")
+    r.add_argument("--batch-size", type=int, default=8, help="sequences per worker and step (default 8)")
+    r.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies (default: all but diloco)")
+    r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run (repeatable)")
+    from .link import add_parser as add_link
+
+    k = add_link(sub)
+    for q in (s, b, w, m, r, k):
+        q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
+        q.add_argument("--data-dir", default="data", help="data folder (default ./data)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    args = make_parser().parse_args(argv)
+    out = Path(args.json) if args.json else None
+    try:
+        device = torch.device(getattr(args, "device", "cpu"))
+    except RuntimeError:
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device")
+    if args.what == "link":
+        from .link import main as link_main
+
+        link_main(args, out, write_json, print_table)
+        return 0
+    if args.what == "step":
+        res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers,
+                             compiled=args.compiled)
+        shape = args.preset if not args.d_model else f"d{args.d_model}"
+        write_json(out or Path(f"benchmarks/results/step-{shape}-{device.type}.json"), res)
+    elif args.what == "basis":
+        res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
+        suffix = "" if device.type == "cpu" else f"-{device.type}"
+        write_json(out or Path(f"benchmarks/results/basis-{args.preset}{suffix}.json"), res)
+    elif args.what == "memory":
+        shapes: list[tuple[str, int | None, int | None]] = []
+        for item in (x for x in args.shapes.split(",") if x):
+            if item.startswith("d") and "x" in item:
+                d, layers = item[1:].split("x")
+                shapes.append(("micro", int(d), int(layers)))
+            else:
+                shapes.append((item, None, None))
+        res = memory_benchmark(shapes)
+        print_table("optimizer-related bytes on the training device, one worker, r = min(p, q)/8", res["rows"],
+                    [("shape", "shape", "s"), ("params", "params", ","), ("name", "state", "s"),
+                     ("device_bytes", "device bytes", ","), ("device_vs_adamw", "× AdamW", ".2f")])
+        # the committed table is the default shapes'; another selection gets a file of its own
+        default = args.shapes == make_parser().parse_args(["memory"]).shapes
+        name = "memory" if default else "memory-" + "-".join(x for x in args.shapes.split(",") if x)
+        write_json(out or Path(f"benchmarks/results/{name}.json"), res)
+    elif args.what == "wire":
+        worlds = tuple(int(x) for x in args.workers.split(",") if x)
+        if not worlds or min(worlds) < 2:
+            raise ConfigError(f"--workers must list worker counts >= 2, got {args.workers!r}")
+        res = wire_benchmark(args.preset, args.rank, worlds)
+        print_table(f"steady-state bytes sent per step and worker ({args.preset}, r = {args.rank}, K = 32; simulator, "
+                    "wire model of gloo's collectives)", res["rows"],
+                    [("workers", "M", "d"), ("name", "strategy", "s"), ("wire_per_step", "sent B/step", ",.0f"),
+                     ("payload_per_step", "payload B/step", ",.0f"), ("less_than_ddp", "× less than ddp", ".1f")])
+        write_json(out or Path(f"benchmarks/results/wire-{args.preset}.json"), res)
+    else:
+        import tempfile
+
+        strategies = tuple(x for x in args.strategies.split(",") if x)
+        extra = tuple(x for kv in args.set for x in ("--set", kv)) + ("--data-dir", args.data_dir)
+        with tempfile.TemporaryDirectory() as tmp:
+            res = runs_benchmark(args.preset, args.steps, args.rank, args.workers, args.batch_size, Path(tmp), strategies,
+                                 extra, args.repeats)
+        print_table(f"short runs ({args.preset}, {args.workers} simulated workers, {args.steps} steps, batch {args.batch_size}, "
+                    f"r = {args.rank}), {args.repeats} per strategy round-robin in child processes; tokens/s: median",
+                    res["rows"], [("name", "strategy", "s"), ("state_bytes", "optimizer state B", ","),
+                                  ("state_ratio", "× AdamW", ".2f"), ("peak_rss_bytes", "peak RSS B", ","),
+                                  ("rss_ratio", "× ddp", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
+                                  ("tokens_per_s_ratio", "× ddp", ".2f"), ("comm_bytes_per_step", "bytes/step", ",.0f"),
+                                  ("bytes_less", "× less than ddp", ".1f")])
+        write_json(out or Path(f"benchmarks/results/runs-{args.preset}.json"), res)
+    return 0
