@@ -186,3 +186,111 @@ def test_average_into_is_the_mean_of_the_workers_and_not_in_the_ledger():
     assert not torch.equal(next(models[0].parameters()), next(models[1].parameters()))  # the run is untouched
     opt.finish()
     assert opt.in_sync
+
+
+def _own_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 50))
+
+
+def _own_groups(model):
+    """A user's own parameter groups: decay on matrices, none on vectors, a smaller rate for the embedding."""
+    emb = [model[0].weight]
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("0.")]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": emb, "lr": 5e-3, "weight_decay": 0.0}, {"params": decay, "weight_decay": 0.1},
+            {"params": rest, "weight_decay": 0.0}]
+
+
+def _own_diloco(models, comm):
+    from lordo.strategies import LocalUpdateStrategy
+
+    return LocalUpdateStrategy(models, comm, optimizers=[torch.optim.AdamW(_own_groups(m), lr=1e-2) for m in models],
+                               outer_optimizer=lambda anchor: torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True),
+                               sync_every=3, grad_clip=0.0)
+
+
+def _own_batch(worker, step):
+    return torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(100 * worker + step))
+
+
+def _loss(model, tokens):
+    return nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+
+
+def test_a_strategy_with_your_own_inner_and_outer_optimizers_is_diloco_written_out():
+    """lordo.distributed with a factory: torch's AdamW with the user's parameter groups inside, SGD with Nesterov
+    momentum outside, K = 3, on two simulated workers, against DiLoCo written out with torch's optimizers:
+    each replica K AdamW steps, Δ = mean(anchor − θ_m), anchor ← SGD step with Δ as its gradient, θ_m ← anchor."""
+    ours = [_own_model(), _own_model()]
+    opt = lordo.distributed(ours, _own_diloco, backend="sim")
+    refs = [_own_model(), _own_model()]
+    inner = [torch.optim.AdamW(_own_groups(m), lr=1e-2) for m in refs]
+    anchor = [p.detach().clone() for p in refs[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(7):
+        for w, (mine, ref) in enumerate(zip(ours, refs)):
+            _loss(mine, _own_batch(w, step)).backward()
+            _loss(ref, _own_batch(w, step)).backward()
+            inner[w].step()
+            inner[w].zero_grad()
+        opt.step()
+        if (step + 1) % 3 == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    a.grad = torch.stack([a - list(r.parameters())[i] for r in refs]).mean(0)
+                outer.step()
+                for r in refs:
+                    for p, a in zip(r.parameters(), anchor):
+                        p.copy_(a)
+    for mine, ref in zip(ours, refs):
+        for a, b in zip(mine.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert opt.param_groups[0]["lr"] == 5e-3  # the user's groups, mirrored for schedulers
+    assert "LocalUpdateStrategy" in repr(opt)
+    opt.finish()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=1e-3), r"lr: options configure a named strategy"),
+    (dict(rank=4, sync_every=8), r"rank, sync_every: options configure a named strategy"),
+    (dict(backend="torchft"), r"backend 'torchft' runs named strategies only"),
+])
+def test_a_strategy_factory_refuses_what_does_not_apply_to_it(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        lordo.distributed([_own_model(), _own_model()], _own_diloco, **{"backend": "sim", **kwargs})
+
+
+def test_a_strategy_factory_must_return_a_strategy():
+    with pytest.raises(ConfigError, match="must return a lordo.strategies Strategy, got AdamW"):
+        lordo.distributed(_own_model(), lambda models, comm: torch.optim.AdamW(models[0].parameters()), backend="sim")
+
+
+def _own_diloco_on_gloo():
+    rank, model = int(os.environ["RANK"]), _own_model()
+    opt = lordo.distributed(model, _own_diloco, backend="gloo")
+    for step in range(7):
+        _loss(model, _own_batch(rank, step)).backward()
+        opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.finish()
+    return state
+
+
+@pytest.mark.slow
+def test_a_strategy_factory_on_gloo_processes_equals_the_simulator():
+    """The same factory on two gloo processes (one replica each) ends where the simulator's two replicas end."""
+    sim = [_own_model(), _own_model()]
+    opt = lordo.distributed(sim, _own_diloco, backend="sim")
+    for step in range(7):
+        for w, m in enumerate(sim):
+            _loss(m, _own_batch(w, step)).backward()
+        opt.step()
+    expected = [{k: v.clone() for k, v in m.state_dict().items()} for m in sim]
+    opt.finish()
+    results = run_gloo(_own_diloco_on_gloo, 2)
+    for rank in range(2):
+        status, state = results[rank]
+        assert status == "ok", state
+        for k, v in expected[rank].items():
+            torch.testing.assert_close(state[k], v, rtol=1e-6, atol=1e-7)

@@ -77,19 +77,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         models: Sequence[nn.Module],
-        cfg: Config,
+        cfg: Config | None,
         comm: Communicator,
         groups: Sequence[Sequence[ParamGroup]] | None = None,
         owns_comm: bool = False,
         check_finish: bool = True,
+        strategy: StrategyFactory | None = None,
     ) -> None:
+        """``cfg`` (a run's config) builds the strategy; or ``cfg=None`` and ``strategy``, a factory that builds
+        one from the replicas and the communicator (:func:`distributed` documents both)."""
         self.models = list(models)
         if len(self.models) != len(comm.local_ranks):
             raise ConfigError(
                 f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
             )
+        if (cfg is None) == (strategy is None):
+            raise ConfigError("give a DistributedOptimizer either a Config or a strategy factory, not both or neither")
+        if strategy is not None and comm.fault_tolerant:
+            raise ConfigError("a strategy built by your own factory cannot run on torchft: a worker that joins compares "
+                              "its settings with the run's, which only a named strategy has; use lordo.distributed(model, "
+                              "'<name>', backend='torchft', ...)")
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
-        if comm.fault_tolerant:  # a worker that joins compares its settings with the run's (comm/ft.py)
+        if comm.fault_tolerant and cfg is not None:  # a worker that joins compares its settings with the run's (comm/ft.py)
             from .train.checkpoint import config_differences, trajectory_settings
 
             settings = trajectory_settings(cfg.to_dict())
@@ -106,7 +115,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if groups is None:
             groups = [default_groups(m) for m in self.models]
         self.groups = [list(g) for g in groups]
-        self.strategy: Strategy = build_strategy(cfg, self.models, self.groups, comm)
+        self.strategy: Strategy = (build_strategy(cfg, self.models, self.groups, comm) if cfg is not None
+                                   else _own_strategy(strategy, self.models, comm))
         self.last_stats: dict[str, float] = {}
         inner = [w.optimizer for w in self.strategy.workers]
         mirrored = [
@@ -318,11 +328,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.close()
 
     def __repr__(self) -> str:
+        if self.cfg is None:
+            return (f"DistributedOptimizer(strategy={type(self.strategy).__name__}, workers={self.comm.world_size}, "
+                    f"hosted={len(self.models)})")
         s = self.cfg.strategy
         return (
             f"DistributedOptimizer(strategy={s.name!r}, workers={self.comm.world_size}, "
             f"hosted={len(self.models)}, rank={s.rank}, sync_every={s.sync_every}, omega={s.omega})"
         )
+
+
+StrategyFactory = Callable[[list[nn.Module], Communicator], Strategy]
+
+
+def _own_strategy(factory: StrategyFactory | None, models: list[nn.Module], comm: Communicator) -> Strategy:
+    assert factory is not None
+    built = factory(models, comm)
+    if not isinstance(built, Strategy):
+        raise ConfigError(f"the strategy factory must return a lordo.strategies Strategy, got {type(built).__name__}")
+    built.name = built.name or type(built).__name__
+    return built
 
 
 class _WorkerStates(Mapping):
@@ -364,7 +389,7 @@ def _warn_unfinished() -> None:
             behind = opt.steps_done - getattr(opt.strategy, "synced_at", 0)
         except Exception:  # noqa: BLE001 - never fail at exit
             continue
-        print(f"lordo: warning: a DistributedOptimizer ({opt.cfg.strategy.name}) ended {behind} step(s) after its last "
+        print(f"lordo: warning: a DistributedOptimizer ({opt.strategy.name}) ended {behind} step(s) after its last "
               "synchronisation without opt.finish(): each worker holds its own model, not the common one. Call "
               "opt.finish() at the end of training, or train inside `with lordo.distributed(...) as opt:`",
               file=sys.stderr)
@@ -389,7 +414,7 @@ def default_groups(model: nn.Module) -> list[ParamGroup]:
 
 def distributed(
     model: nn.Module | Sequence[nn.Module],
-    strategy: str = "lordo",
+    strategy: str | StrategyFactory = "lordo",
     *,
     lr: float | None = None,
     backend: str | Communicator = "auto",
@@ -425,8 +450,16 @@ def distributed(
     ``ranks_per_worker``: under torch.distributed, how many consecutive ranks form one LoRDO worker (a node:
     synchronous inside, gradients averaged every step; LoRDO between workers). With 2 nodes × 8 GPUs,
     ``ranks_per_worker=8`` makes 2 workers.
+
+    ``strategy`` may instead be a factory ``(replicas, communicator) -> Strategy`` that builds one of
+    :mod:`lordo.strategies`' classes with your own inner optimizers (one per hosted replica, over its
+    parameters, with your parameter groups) and outer optimizer; ``lr`` and ``options`` then do not apply
+    (your optimizers hold their settings) and torchft is refused. docs/integrations.md has an example:
+    ``torch.optim.AdamW`` inside, SGD with Nesterov momentum outside.
     """
     models = _replicas(model)
+    if callable(strategy):
+        return _distributed_own(models, strategy, lr, backend, timeout_s, ranks_per_worker, options)
     tree = _option_tree(strategy, lr, timeout_s, ranks_per_worker, options)
     if not isinstance(backend, Communicator) and backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
@@ -451,6 +484,33 @@ def distributed(
         return DistributedOptimizer(models, cfg, comm, owns_comm=not given)
     except BaseException:
         if not given:
+            comm.close(clean=False)
+        raise
+
+
+def _distributed_own(models: list[nn.Module], factory: StrategyFactory, lr: float | None, backend: str | Communicator,
+                     timeout_s: float, ranks_per_worker: int, options: dict[str, Any]) -> DistributedOptimizer:
+    """:func:`distributed` with a strategy factory."""
+    if lr is not None or options:
+        given = (["lr"] if lr is not None else []) + sorted(options)
+        raise ConfigError(f"{', '.join(given)}: options configure a named strategy; a strategy from your own factory "
+                          "takes its settings from the optimizers you build in it")
+    if not isinstance(backend, Communicator) and backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
+    if backend == "torchft":
+        raise ConfigError("backend 'torchft' runs named strategies only (a worker that joins compares its settings "
+                          "with the run's); pass a strategy name")
+    device = next(models[0].parameters()).device.type
+    comm = backend if isinstance(backend, Communicator) else make_communicator(
+        backend, len(models), timeout_s, device, ranks_per_worker, bool(sharded_names(models)))
+    try:
+        if len(models) > 1 and len(comm.local_ranks) != len(models):
+            raise ConfigError(f"{len(models)} replicas given, but the {type(comm).__name__} hosts one worker per "
+                              "process; pass one model under torch.distributed, or backend='sim' to simulate workers")
+        return DistributedOptimizer(models, None, comm, owns_comm=not isinstance(backend, Communicator),
+                                    strategy=factory)
+    except BaseException:
+        if not isinstance(backend, Communicator):
             comm.close(clean=False)
         raise
 
