@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 import os
 import signal
@@ -28,16 +29,16 @@ from ..comm import make_communicator
 from ..config import Config
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
-from ..errors import ConfigError, NonFiniteError, Stopped
-from ..files import write_json
+from ..errors import ConfigError, NonFiniteError, Stopped, WriteError
+from ..files import atomic_write, write_json
 from ..model import GPT, build_model, format_groups
 from ..optim import fsdp_placement
-from .checkpoint import Checkpointer, config_differences, load_local_state, local_state
+from .checkpoint import Checkpointer, config_differences, full_state, load_local_state, local_state
 from .lock import OutputLock
 from .memory import check_fits
 from .metrics import MetricsWriter, Progress
 from .schedule import lr_factor
-from .summary import summarize
+from .summary import RunFacts, summarize
 
 
 def resolve_device(name: str) -> torch.device:
@@ -261,7 +262,30 @@ class Trainer:
             self._loop(metrics)
         finally:
             metrics.close()
-        return summarize(self, time.perf_counter() - wall0, start)
+        state = self.state
+        facts = RunFacts(params=self.models[0].num_params(), tokens_per_step=self.tokens_per_step,
+                         unigram_val_ppl=self.data.manifest["unigram_baseline"]["val_ppl"], val_loss=state.val_loss,
+                         train_s=state.train_s, skipped=state.skipped, diagnostics=state.diagnostics,
+                         out_dir=str(self.out))
+        summary = summarize(self.cfg, self.comm, self.optimizer, facts, time.perf_counter() - wall0, start)
+        self._write_final(summary)
+        return summary
+
+    def _write_final(self, summary: dict[str, Any]) -> None:
+        """summary.json and the final model.pt (by the main process; a sharded model's shards are gathered on every
+        rank of its worker first)."""
+        weights = full_state(self.models[0])
+        if not self.main:
+            return
+        buffer = io.BytesIO()
+        torch.save(weights, buffer)
+        try:
+            atomic_write(self.out / "model.pt", buffer.getvalue())
+            write_json(self.out / "summary.json", summary)
+        except WriteError as exc:
+            latest = self.checkpoints.latest_intact_name()
+            kept = f"; the checkpoint {latest} is intact: free space and rerun with --resume {self.out}" if latest else ""
+            raise WriteError(f"{exc}{kept}") from None
 
     def _loop(self, metrics: MetricsWriter) -> None:
         t, start = self.cfg.train, self.state.step

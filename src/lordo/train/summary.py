@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import io
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-
+from ..api import DistributedOptimizer
+from ..comm import Communicator
 from ..comm.ledger import Ledger
 from ..config import Config
-from ..errors import WriteError
-from ..files import atomic_write, write_json
-from .checkpoint import full_state
-
-if TYPE_CHECKING:
-    from .loop import Trainer
 
 
 def modeled_wall_s(cfg: Config, ledger: Ledger, compute_s: float, bandwidth: float) -> float:
@@ -28,33 +22,47 @@ def modeled_wall_s(cfg: Config, ledger: Ledger, compute_s: float, bandwidth: flo
     return compute_s + blocking + max(0.0, behind - hidden)
 
 
-def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, Any]:
-    """The run's summary; the main process also writes summary.json and the final model.pt."""
-    cfg, comm, state = trainer.cfg, trainer.comm, trainer.state
+@dataclass
+class RunFacts:
+    """What a summary says of a finished run besides its config, communicator and optimizer."""
+
+    params: int  # the model's parameters
+    tokens_per_step: int
+    unigram_val_ppl: float  # the corpus's unigram baseline
+    val_loss: float
+    train_s: float  # seconds of training steps (all hosted workers)
+    skipped: int  # steps skipped for non-finite gradients
+    diagnostics: dict[str, list[float]]  # per-sync values, averaged into the summary
+    out_dir: str
+
+
+def summarize(cfg: Config, comm: Communicator, optimizer: DistributedOptimizer, run: RunFacts, wall_s: float,
+              resumed_from: int) -> dict[str, Any]:
+    """The run's summary (what summary.json holds)."""
     steps = cfg.train.steps
     ledger = comm.ledger
-    report = trainer.optimizer.comm_report()
+    report = optimizer.comm_report()
     intra = comm.intra_ledger  # a worker of several ranks: their traffic on the worker's own (fast) link
     intra_s = intra.modeled_comm_s(cfg.comm.intra_bandwidth_gbit * 1e9, cfg.comm.latency_s) if intra else 0.0
     measured_s = ledger.comm_s + (intra.comm_s if intra else 0.0)
     blocked_s = ledger.blocked_s + (intra.comm_s if intra else 0.0)  # what the training thread waited for
-    compute_s = max(0.0, state.train_s - blocked_s) / len(comm.local_ranks)  # per worker
+    compute_s = max(0.0, run.train_s - blocked_s) / len(comm.local_ranks)  # per worker
     summary = {
         "strategy": cfg.strategy.name,
         "model": cfg.model.preset,
-        "params": trainer.models[0].num_params(),
+        "params": run.params,
         "workers": comm.world_size,
         "communicator": type(comm).__name__,
         "sync_every": cfg.strategy.sync_every if cfg.strategy.name != "ddp" else 1,
         "steps": steps,
-        "tokens": steps * trainer.tokens_per_step,
-        "val_loss": state.val_loss,
-        "val_ppl": math.exp(state.val_loss),
-        "unigram_val_ppl": trainer.data.manifest["unigram_baseline"]["val_ppl"],
+        "tokens": steps * run.tokens_per_step,
+        "val_loss": run.val_loss,
+        "val_ppl": math.exp(run.val_loss),
+        "unigram_val_ppl": run.unigram_val_ppl,
         "wall_s": wall_s,
-        "train_s": state.train_s,
-        "tokens_per_s": steps * trainer.tokens_per_step / state.train_s if state.train_s else float("nan"),
-        "optimizer_state_bytes": trainer.optimizer.strategy.state_bytes(),
+        "train_s": run.train_s,
+        "tokens_per_s": steps * run.tokens_per_step / run.train_s if run.train_s else float("nan"),
+        "optimizer_state_bytes": optimizer.strategy.state_bytes(),
         "comm_wire_bytes_total": ledger.total_wire_bytes,  # what one worker sent (worker 0)
         "comm_wire_bytes_per_step": ledger.total_wire_bytes / steps,
         "comm_bytes_total": ledger.total_bytes,  # the payload it handed to the collectives
@@ -70,7 +78,7 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "blocked_comm_s": blocked_s,
         "overlapped_comm_s": ledger.overlapped_s,
         "round_wait_s": ledger.wait_s,
-        "compute_utilisation": compute_s * len(comm.local_ranks) / state.train_s if state.train_s else float("nan"),
+        "compute_utilisation": compute_s * len(comm.local_ranks) / run.train_s if run.train_s else float("nan"),
         "modeled_wall_s": {
             f"{bw:g}gbit": modeled_wall_s(cfg, ledger, compute_s, bw * 1e9) + intra_s for bw in cfg.comm.bandwidths_gbit
         },
@@ -79,24 +87,13 @@ def summarize(trainer: Trainer, wall_s: float, resumed_from: int) -> dict[str, A
         "ranks_per_worker": cfg.dist.ranks_per_worker,
         "intra_worker_wire_bytes_total": intra.total_wire_bytes if intra else 0,
         "intra_worker_by_collective": intra.table() if intra else {},
-        "skipped_steps": state.skipped,
+        "skipped_steps": run.skipped,
         "resumed_from_step": resumed_from,
-        "out_dir": str(trainer.out),
+        "out_dir": run.out_dir,
     }
     if getattr(comm, "fault_tolerant", False):  # torchft: each committed round's step, kind and workers
-        summary["rounds"] = comm.rounds
-    for key, values in state.diagnostics.items():
+        summary["rounds"] = comm.rounds  # type: ignore[attr-defined]
+    for key, values in run.diagnostics.items():
         summary[f"{key}_mean"] = sum(values) / len(values)
         summary[f"{key}_last"] = values[-1]
-    weights = full_state(trainer.models[0])  # a sharded model's shards gathered on every rank of its worker
-    if trainer.main:
-        buffer = io.BytesIO()
-        torch.save(weights, buffer)
-        try:
-            atomic_write(trainer.out / "model.pt", buffer.getvalue())
-            write_json(trainer.out / "summary.json", summary)
-        except WriteError as exc:
-            latest = trainer.checkpoints.latest_intact_name()
-            kept = f"; the checkpoint {latest} is intact: free space and rerun with --resume {trainer.out}" if latest else ""
-            raise WriteError(f"{exc}{kept}") from None
     return summary
