@@ -58,21 +58,15 @@ def mode(state: dict) -> tuple[bool, bool]:
 
 def project_each(grads: Sequence[torch.Tensor], states: Sequence[dict], bases: Sequence[torch.Tensor],
                  sides: Sequence[Side], inside: Sequence[bool]) -> list[torch.Tensor]:
-    """g = proj(G + E) of each matrix, E updated: a deferred buffer adds G (one multi-tensor call per factor),
-    another one takes the projection out (E ← A − back(g)) and is deferred from then on where it can be.
-    ``inside[i]``: whether matrix i keeps proj(S) once deferred (:func:`keeps_inside`)."""
-    by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for grad, state in zip(grads, states):
-        if state.get(DEFERRED):
-            buffers, added = by_scale.setdefault(state.get(SCALE, 1.0), ([], []))
-            buffers.append(state["error_feedback"])
-            added.append(grad)
-    for scale, (buffers, added) in by_scale.items():
-        torch._foreach_add_(buffers, added, alpha=1 / scale)
+    """g = proj(G + E) of each matrix, E updated: a deferred buffer adds G, another one takes the projection out
+    (E ← A − back(g)) and is deferred from then on where it can be. ``inside[i]``: whether matrix i keeps proj(S)
+    once deferred (:func:`keeps_inside`)."""
     out = []
     for grad, state, basis, side, keep in zip(grads, states, bases, sides, inside, strict=True):
         basis = basis if basis.dtype == grad.dtype else basis.to(grad.dtype)
         if state.get(DEFERRED):
+            # S += G/factor right before G is projected, matrix by matrix: G is read twice while it is in cache
+            state["error_feedback"].add_(grad, alpha=1 / state.get(SCALE, 1.0))
             g = project(grad, basis, side)
             if INSIDE in state:
                 state[INSIDE].add_(g)  # proj(S) follows S

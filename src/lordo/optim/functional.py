@@ -170,7 +170,7 @@ def _batched(weights: Tensors, gs: Tensors, exp_avgs: Tensors, exp_avg_sqs: Tens
             [eps * root for root in roots],
             [alpha * (1.0 if momentum else root) / (1 - beta1**t) for root, t in zip(roots, ts)],
             [kappa * root for root in roots],
-            [kappa * root * f for root, f in zip(roots, factor, strict=True)],
+            [-f for f in factor],
             [1 - lr * weight_decay] * len(roots),
         ], dtype=u.dtype).view(5, -1, 1, 1).to(u.device)
         args = (work, u, v, g, basis, full if with_qh else None, low if with_qh else None, scales)
@@ -184,23 +184,23 @@ def stack_update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.
                  full: torch.Tensor | None, low: torch.Tensor | None, scales: torch.Tensor, decay: float | None, *,
                  b1: float, b2: float, side: Side, momentum: bool = False) -> None:
     """The step of a stack from its projected gradients ``g``, in place: the moments u, v and the stacked weights
-    ``work``. ``scales`` (5, n, 1, 1): ε·sqrt(bc2), the low-rank update's factor α, the QH term's κ on back(low) and
-    on full (κ·factor), and the weight decay's factor 1 − ηλ per matrix; ``full``/``low``: the QH term's
+    ``work``. ``scales`` (5, n, 1, 1): ε·sqrt(bc2), the low-rank update's factor α, the QH term's κ, minus the factor
+    on its full-size part, and the weight decay's factor 1 − ηλ per matrix; ``full``/``low``: the QH term's
     A = factor·full − back(low) (None: no QH term); ``momentum``: the low-rank update is the momentum, not û/D.
 
     Plain tensor code without host reads, so ``torch.compile`` captures it whole (:func:`compiled_stack_update`).
     ``decay``: 1 − ηλ as a number (eager: the GEMM's β, no extra pass), or None to take it from ``scales``
     (compiled: a number would be a constant of the graph, recompiled at every learning rate)."""
-    eps_root, alpha, kappa, kappa_full, decays = scales.unbind(0)
+    eps_root, alpha, kappa, minus_factor, decays = scales.unbind(0)
     u.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     denom = v.sqrt().add_(eps_root)
     ratio = u * alpha if momentum else (u / denom).mul_(alpha)
-    inverse = None
+    qh = None
     if full is not None:
-        inverse = 1 / denom.sum(dim=(1, 2), keepdim=True)
+        qh = kappa / denom.sum(dim=(1, 2), keepdim=True)  # κ/ΣD' per matrix
         if low is not None:
-            ratio.addcmul_(low.to(ratio.dtype), kappa * inverse)  # + back(κ/ΣD'·c) joins the low-rank update's GEMM
+            ratio.addcmul_(low.to(ratio.dtype), qh)  # + back(κ/ΣD'·c) joins the low-rank update's GEMM
     ratio, basis = ratio.to(work.dtype), basis.to(work.dtype)
     left, right = (ratio, basis.transpose(1, 2)) if side == Side.RIGHT else (basis, ratio)
     if decay is None:  # the GEMM alone, its epilogue (decay, QH term) fused into one pass by inductor
@@ -208,8 +208,8 @@ def stack_update(work: torch.Tensor, u: torch.Tensor, v: torch.Tensor, g: torch.
     else:
         work.baddbmm_(left, right, beta=decay)
     if full is not None:
-        assert inverse is not None
-        work.addcmul_(full.to(work.dtype), (-kappa_full * inverse).to(work.dtype))
+        assert qh is not None
+        work.addcmul_(full.to(work.dtype), (qh * minus_factor).to(work.dtype))
 
 
 _compiled: Callable | None = None

@@ -26,7 +26,7 @@ from .lowrank import rotate_moments
 from .options import EXECUTION, check_group
 from .plan import Planner
 from .sharded import local, whole
-from .state import Lists, group_lists, init_lowrank, restore_saved_dtypes, state_bytes, tensor_steps
+from .state import Lists, ensure_state, group_lists, init_lowrank, restore_saved_dtypes, state_bytes, tensor_steps
 from .subspace import Side, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 # a basis that no one changed for this many steps, with update_proj_gap = None, is probably a forgotten refresh
@@ -179,10 +179,10 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def _group_of(self, p: torch.Tensor) -> dict:
         return self._planner.index(self.param_groups).of(p)
 
-    def _init_group(self, group: dict, params: list[torch.Tensor]) -> Lists:
-        """The kernels' lists for ``params`` of ``group``, state created on first use (optim/state.py: the one
-        place a sharded parameter becomes this rank's shard)."""
-        return group_lists(group, params, self.state)
+    def _init_group(self, group: dict, params: list[torch.Tensor], ensure: bool = True) -> Lists:
+        """The kernels' lists for ``params`` of ``group``, state created on first use unless ``ensure`` is False
+        (optim/state.py: the one place a sharded parameter becomes this rank's shard)."""
+        return group_lists(group, params, self.state, ensure)
 
     def whole(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         """``matrix`` shaped like ``p``, gathered from every rank's shard when ``p`` is sharded (a collective)."""
@@ -244,6 +244,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     def _refresh_on_schedule(self, group: dict, params: list[torch.Tensor]) -> None:
         """GaLore's schedule: a new basis from this step's gradient every ``update_proj_gap`` steps of a matrix."""
+        if group["update_proj_gap"] is None and (not self.manages_bases or self._bases_changed or self._warned_fixed_basis):
+            return  # nothing to refresh, nothing to warn about: no host read of every matrix's step count
         for p in params:
             state = self.state[p]
             if "basis" not in state:
@@ -259,26 +261,27 @@ class LowRankQHAdam(torch.optim.Optimizer):
         batched over the matrices of one shape where the group says so); creates a matrix's state (basis from its
         gradient) on first use."""
         groups = self._planner.index(self.param_groups).by_group(params)
-        lists = [self._init_group(group, [params[i] for i in positions]) for group, positions in groups]
-        for (group, _), of_group in zip(groups, lists):
-            self._refresh_on_schedule(group, of_group.params)
-        position = {id(p): i for i, p in enumerate(params)}
+        for group, positions in groups:
+            ensure_state(group, [params[i] for i in positions], self.state)
+            self._refresh_on_schedule(group, [params[i] for i in positions])
         out: list[torch.Tensor | None] = [None] * len(params)
         batched, each = self._planner.split(params, self.param_groups)
-        per_matrix = {id(params[i]) for i in each}
-        for stack, group, slices in self._planner.stacks([params[i] for i in batched], self.param_groups, self.state):
-            for rows in slices:
-                for p, g in zip(stack.params[rows], stack.project(group, rows).unbind(0)):
-                    out[position[id(p)]] = g
-        for (group, _), of_group in zip(groups, lists):
-            mine = [i for i, p in enumerate(of_group.params) if id(p) in per_matrix]
-            if not mine:
+        if batched:
+            position = {id(p): i for i, p in enumerate(params)}
+            for stack, group, slices in self._planner.stacks([params[i] for i in batched], self.param_groups, self.state):
+                for rows in slices:
+                    for p, g in zip(stack.params[rows], stack.project(group, rows).unbind(0)):
+                        out[position[id(p)]] = g
+            per_matrix = set(each)
+            groups = [(group, [i for i in positions if i in per_matrix]) for group, positions in groups]
+        for group, positions in groups:
+            if not positions:
                 continue
-            projected = feedback.project_each([of_group.grads[i] for i in mine], [of_group.states[i] for i in mine],
-                                              [of_group.states[i]["basis"] for i in mine],
-                                              [of_group.sides[i] for i in mine], [feedback.keeps_inside(group)] * len(mine))
-            for i, g in zip(mine, projected):
-                out[position[id(of_group.params[i])]] = g
+            lists = self._init_group(group, [params[i] for i in positions], ensure=False)  # made just above
+            projected = feedback.project_each(lists.grads, lists.states, [s["basis"] for s in lists.states], lists.sides,
+                                              [feedback.keeps_inside(group)] * len(positions))
+            for i, g in zip(positions, projected):
+                out[i] = g
         return out  # type: ignore[return-value]
 
     @torch.no_grad()
@@ -293,7 +296,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             for rows in slices:
                 stack.apply(group, rows, torch.stack([gs[position[id(p)]] for p in stack.params[rows]]))
         for group, positions in self._planner.index(self.param_groups).by_group([params[i] for i in each]):
-            lists = self._init_group(group, [params[each[i]] for i in positions])
+            lists = self._init_group(group, [params[each[i]] for i in positions], ensure=False)  # project made it
             self._apply_each(group, lists, [gs[each[i]] for i in positions])
 
     def _apply_each(self, group: dict, lists: Lists, gs: list[torch.Tensor]) -> None:

@@ -44,9 +44,15 @@ class GroupIndex:
     def by_group(self, params: Sequence[torch.Tensor]) -> list[tuple[dict, list[int]]]:
         """``params`` split by parameter group, in order: (group, positions in ``params``) per group."""
         out: dict[int, tuple[dict, list[int]]] = {}
-        for i, p in enumerate(params):
-            group = self.of(p)
-            out.setdefault(id(group), (group, []))[1].append(i)
+        of = self._of
+        for i, p in enumerate(params):  # once or twice a step over every matrix: kept lean
+            group = of.get(id(p))
+            if group is None:
+                raise KeyError("parameter is not managed by this optimizer")
+            entry = out.get(id(group))
+            if entry is None:
+                entry = out[id(group)] = (group, [])
+            entry[1].append(i)
         return list(out.values())
 
 

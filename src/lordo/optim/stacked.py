@@ -68,7 +68,7 @@ class MatrixStack:
 
     def uniform_runs(self) -> list[slice]:
         """Consecutive rows whose error feedback is in the same mode, each one batch."""
-        modes = [feedback.mode(s) for s in self.states]
+        modes = [(bool(s.get(DEFERRED)), INSIDE in s) for s in self.states]  # feedback.mode, inlined: host time
         runs, start = [], 0
         for i in range(1, len(modes) + 1):
             if i == len(modes) or modes[i] != modes[start]:

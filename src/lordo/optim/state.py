@@ -33,9 +33,22 @@ class Lists:
     sum_totals: Callable | None = None  # sums over the shards of each matrix, likewise
 
 
-def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping) -> Lists:
+def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping, ensure: bool = True) -> Lists:
     """The lists the kernels take for ``params`` of ``group``, each parameter's state created on first use (a
-    low-rank matrix's basis from its whole gradient)."""
+    low-rank matrix's basis from its whole gradient); ``ensure=False``: the state exists (the step's second half)."""
+    if ensure:
+        ensure_state(group, params, state)
+    lowrank = group["rank"] is not None
+    lists = Lists(params, [local(p) for p in params], [local(grad_of(p)) for p in params], [state[p] for p in params],
+                  [side_of(p.shape) for p in params] if lowrank else [])
+    if lowrank and any(is_sharded(p) for p in params):
+        lists.moment_numels = [p.shape[0 if s == Side.RIGHT else 1] * group["rank"] for p, s in zip(params, lists.sides)]
+        lists.sum_totals = functools.partial(sum_over_shards, params)
+    return lists
+
+
+def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping) -> None:
+    """Each parameter's state, created on first use (a low-rank matrix's basis from its whole gradient)."""
     for p in params:
         check_dense(p)
         if group["rank"] is None and "step" not in state[p]:
@@ -45,13 +58,6 @@ def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping) 
             if basis is None:
                 raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
             init_lowrank(state[p], p, group, basis)
-    lowrank = group["rank"] is not None
-    lists = Lists(params, [local(p) for p in params], [local(grad_of(p)) for p in params], [state[p] for p in params],
-                  [side_of(p.shape) for p in params] if lowrank else [])
-    if lowrank and any(is_sharded(p) for p in params):
-        lists.moment_numels = [p.shape[0 if s == Side.RIGHT else 1] * group["rank"] for p, s in zip(params, lists.sides)]
-        lists.sum_totals = functools.partial(sum_over_shards, params)
-    return lists
 
 
 def init_full_rank(state: dict, p: torch.Tensor) -> None:
