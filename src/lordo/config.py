@@ -132,6 +132,9 @@ class DataConfig(_Section):
             raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
 
 
+MUON_STRATEGIES = ("ddp", "local-adam", "diloco")  # the strategies whose inner optimizer optim.inner may change
+
+
 @dataclass(kw_only=True)
 class OptimConfig(_Section):
     _name = "optim"
@@ -145,6 +148,15 @@ class OptimConfig(_Section):
     grad_clip: float = _f(0.5, "global gradient-norm clip; 0 disables", _non_negative)
     compile_step: bool = _f(False, "run the low-rank optimizer step batched over matrix shapes and through "
                             "torch.compile (compiled at the first steps; on the CPU it needs a C++ compiler)")
+    inner: str = _f("auto", "the inner optimizer: auto (the strategy's own: AdamW for ddp, local-adam and diloco, "
+                    "LowRankQHAdam for the others) or muon (torch.optim.Muon on the block matrices, AdamW on embeddings, "
+                    "head, norms and biases; ddp, local-adam and diloco)", _choice("auto", "muon"))
+    muon_momentum: float = _f(0.95, "Muon's momentum (optim.inner = muon)", _unit_open)
+    muon_nesterov: bool = _f(True, "Muon's Nesterov momentum (optim.inner = muon)")
+    muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations (optim.inner = muon)", _positive)
+    muon_adjust_lr: str = _f("match_rms_adamw", "Muon's per-matrix rate: match_rms_adamw (0.2 sqrt(max(p, q)) times "
+                             "optim.lr, so AdamW's rate and decay carry over) or original (sqrt(max(1, p/q)))",
+                             _choice("match_rms_adamw", "original"))
 
 
 @dataclass(kw_only=True)
@@ -325,6 +337,8 @@ class Config:
                 f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
                 f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
             )
+        if self.optim.inner == "muon":
+            self._check_muon()
         if self.dist.backend == "torchft":
             self._check_torchft()
         if self.dist.shard:
@@ -342,6 +356,14 @@ class Config:
             self._resolved_lr: float | None = self.optim.lr
         else:
             self._resolved_lr = None
+
+    def _check_muon(self) -> None:
+        if self.strategy.name not in MUON_STRATEGIES:
+            raise ConfigError(f"optim.inner = \"muon\" is the inner optimizer of {', '.join(MUON_STRATEGIES)}; strategy "
+                              f"{self.strategy.name!r} takes LowRankQHAdam (set optim.inner = \"auto\")")
+        if self.strategy.average_moments not in ("auto", "none"):
+            raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "
+                              "Muon's matrices do not have (optim.inner = \"muon\"): use auto or none")
 
     def _check_torchft(self) -> None:
         """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step

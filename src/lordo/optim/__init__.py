@@ -2,6 +2,7 @@
 parameters sharded by FSDP2 (``sharded.py``, when it meets one)."""
 
 from .functional import lowrank_qh_adam, lowrank_qh_adam_update, qh_adam_update
+from .hybrid import MuonAdamW
 from .lowrank import back_project, project, project_with_feedback, rotate_moments
 from .optimizer import LowRankQHAdam
 from .sharded import fsdp_placement
@@ -9,6 +10,7 @@ from .subspace import Side, captured_energy, check_rank, grad_of, overlap, side_
 
 __all__ = [
     "LowRankQHAdam",
+    "MuonAdamW",
     "Side",
     "back_project",
     "captured_energy",

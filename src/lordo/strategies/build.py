@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..model.params import ParamGroup
 from ..optim import LowRankQHAdam
 from ..optim.functional import takes_fused_adamw
+from ..optim.hybrid import MuonAdamW
 from .base import Strategy
 from .basis import GlobalBasis, LocalBasis
 from .ddp import DDPStrategy
@@ -43,6 +44,30 @@ def make_adamw(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Opti
     fused = takes_fused_adamw(params)
     return torch.optim.AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                              fused=fused or None, foreach=None if fused else True)
+
+
+def make_inner(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Optimizer:
+    """The inner optimizer of ddp, local-adam and diloco: AdamW (:func:`make_adamw`), or with ``optim.inner = muon``
+    torch's Muon on the 2-D parameters of the groups whose rule marks them as block matrices and AdamW on the rest
+    (:class:`~lordo.optim.hybrid.MuonAdamW`)."""
+    if o.inner != "muon":
+        return make_adamw(groups, o)
+    if any(p.dtype in (torch.float16, torch.bfloat16) for g in groups for p in g.params):
+        raise ConfigError("optim.inner = \"muon\" with bfloat16/float16 weights: Muon keeps its momentum in the "
+                          "weights' dtype; use train.precision = \"fp32\" or \"bf16-mixed\"")
+    param_groups = []
+    for g in groups:
+        decay = o.weight_decay if g.rule.weight_decay else 0.0
+        matrices = [p for p in g.params if g.rule.matrix and p.ndim == 2]
+        rest = [p for p in g.params if not (g.rule.matrix and p.ndim == 2)]
+        for muon, params in ((True, matrices), (False, rest)):
+            if params:
+                param_groups.append({"params": params, "weight_decay": decay, "name": g.rule.group, "muon": muon})
+    if not any(g["muon"] for g in param_groups):
+        raise ConfigError("optim.inner = \"muon\": no parameter group holds block matrices for Muon to take")
+    return MuonAdamW(param_groups, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
+                     momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
+                     adjust_lr_fn=o.muon_adjust_lr)
 
 
 def split_lowrank(groups: Sequence[ParamGroup], pattern: str, rank: int) -> tuple[list[dict], list[str]]:
@@ -137,12 +162,12 @@ Groups = Sequence[Sequence[ParamGroup]]
 
 
 def _ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
-    return DDPStrategy(models, comm, optimizers=[make_adamw(g, cfg.optim) for g in groups], grad_clip=cfg.optim.grad_clip,
+    return DDPStrategy(models, comm, optimizers=[make_inner(g, cfg.optim) for g in groups], grad_clip=cfg.optim.grad_clip,
                        sync_buffers=cfg.strategy.sync_buffers)
 
 
 def _local_adam(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
-    return LocalUpdateStrategy(models, comm, optimizers=[make_adamw(g, cfg.optim) for g in groups],
+    return LocalUpdateStrategy(models, comm, optimizers=[make_inner(g, cfg.optim) for g in groups],
                                **_local_options(cfg, "none"))
 
 

@@ -1,0 +1,121 @@
+"""``MuonAdamW``: torch's Muon on a model's hidden matrices and torch's AdamW on the rest, as one optimizer.
+
+The usual split for Muon (Keller Jordan's, Moonshot's): the 2-D matrices of the blocks (attention, MLP) take
+Muon — momentum, orthogonalised by Newton–Schulz, then the step — and everything else (embeddings, the output
+head, norms, biases) takes AdamW. Both are torch's own optimizers, held inside; this class only joins them,
+so that a strategy, a scheduler and a checkpoint see one ``torch.optim.Optimizer``: ``param_groups`` are the
+inner optimizers' group dicts themselves (Muon's first, then AdamW's; a scheduler's change reaches the inner
+optimizer), ``state`` reads either optimizer's state, ``state_dict()`` is torch's format over all groups and
+``load_state_dict`` hands each inner optimizer its part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping, Sequence
+from typing import Any
+
+import torch
+
+from .functional import takes_fused_adamw
+
+ADJUST_LR = ("original", "match_rms_adamw")
+
+
+class _States(MutableMapping):
+    """Both inner optimizers' ``state``, read and written through one mapping (their parameters are disjoint)."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self._parts = (muon, adamw)
+        self._owner = {id(p): opt for opt in self._parts for g in opt.param_groups for p in g["params"]}
+
+    def _state_of(self, p: Any) -> MutableMapping:
+        opt = self._owner.get(id(p))
+        if opt is None:
+            raise KeyError("parameter is not managed by this optimizer")
+        return opt.state
+
+    def __getitem__(self, p: Any) -> Any:
+        return self._state_of(p)[p]
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        self._state_of(p)[p] = value
+
+    def __delitem__(self, p: Any) -> None:
+        del self._state_of(p)[p]
+
+    def __iter__(self) -> Iterator:
+        for opt in self._parts:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._parts)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups with ``"muon": True``, AdamW on the others (see the module doc).
+
+    ``groups``: torch-style parameter groups, each with ``"muon"`` (a bool; Muon takes 2-D matrices only) and
+    any per-group setting (``weight_decay``, ``lr``, ``name``). ``momentum``, ``nesterov``, ``ns_steps`` and
+    ``adjust_lr_fn`` are Muon's (torch's defaults but ``adjust_lr_fn``: ``"match_rms_adamw"`` scales each
+    matrix's rate by 0.2·sqrt(max(p, q)), so that the learning rate and weight decay tuned for AdamW carry
+    over, Moonshot's rule); ``betas`` and ``eps`` AdamW's."""
+
+    def __init__(self, groups: Sequence[dict], *, lr: float = 1e-3, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw") -> None:
+        if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR:
+            raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR}, got {adjust_lr_fn!r}")
+        for g in groups:
+            if not isinstance(g.get("muon"), bool):
+                raise ValueError(f"every group needs \"muon\": True or False, got {g.get('muon')!r}")
+        matrices = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g["muon"]]
+        others = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g["muon"]]
+        if not matrices or not others:
+            raise ValueError("MuonAdamW needs groups of both kinds (\"muon\": True and False); for one kind use "
+                             "torch.optim.Muon or torch.optim.AdamW")
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                     ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        rest = [p for g in others for p in g["params"]]
+        fused = takes_fused_adamw(rest)
+        self.adamw = torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                                       fused=fused or None, foreach=None if fused else True)
+        defaults = {**self.adamw.defaults, "momentum": momentum}  # what schedulers look for (betas, momentum)
+        super().__init__([p for opt in (self.muon, self.adamw) for g in opt.param_groups for p in g["params"]], defaults)
+        self._link()
+        self._joined = True
+
+    def _link(self) -> None:
+        """This optimizer's groups and state: the inner optimizers' own."""
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        self.state = _States(self.muon, self.adamw)  # type: ignore[assignment]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_joined", False):
+            raise ValueError("MuonAdamW takes its groups at construction; build a new one to add parameters")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's format over all groups (Muon's first), split between the inner optimizers."""
+        groups = state_dict["param_groups"]
+        n = len(self.muon.param_groups)
+        if len(groups) != n + len(self.adamw.param_groups):
+            raise ValueError(f"the state holds {len(groups)} parameter groups, this optimizer has "
+                             f"{n + len(self.adamw.param_groups)}")
+        for opt, part in ((self.muon, groups[:n]), (self.adamw, groups[n:])):
+            indices = {i for g in part for i in g["params"]}
+            offset = min(indices, default=0)
+            opt.load_state_dict({
+                "state": {int(i) - offset: s for i, s in state_dict["state"].items() if int(i) in indices},
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in part],
+            })
+        self._link()
