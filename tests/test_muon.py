@@ -119,3 +119,11 @@ def test_muon_with_bfloat16_weights_is_refused_with_the_fix():
     model = make().to(torch.bfloat16)
     with pytest.raises(ConfigError, match=r"bfloat16/float16 weights.*bf16-mixed"):
         lordo.distributed(model, "ddp", inner="muon")
+
+
+def test_the_memory_report_counts_one_buffer_per_muon_matrix_and_two_moments_for_the_rest():
+    model = make()
+    opt = lordo.distributed(model, "ddp", inner="muon")
+    muon, decay, rest = split(model)
+    assert opt.strategy.state_bytes() == {"muon_momentum": 4 * sum(p.numel() for p in muon),
+                                          "full_rank_moments": 8 * sum(p.numel() for p in decay + rest)}

@@ -104,6 +104,14 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.step()
         return loss
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of state by category, as the optimizers hold it after their first step: Muon's momentum (one
+        buffer per matrix, in the matrix's dtype) and AdamW's two moments of the other parameters."""
+        def size(groups: list[dict], copies: int) -> int:
+            return sum(copies * p.numel() * p.element_size() for g in groups for p in g["params"])
+
+        return {"muon_momentum": size(self.muon.param_groups, 1), "full_rank_moments": size(self.adamw.param_groups, 2)}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's format over all groups (Muon's first), split between the inner optimizers."""
         groups = state_dict["param_groups"]

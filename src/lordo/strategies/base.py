@@ -129,6 +129,14 @@ def check_number(name: str, value: Any, *, minimum: float = 0.0, below: float | 
         raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'} >= {minimum:g}{upper}, got {value!r}")
 
 
+def inner_state_bytes(optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor]) -> dict[str, int]:
+    """What an inner optimizer holds, by category: its own ``state_bytes()`` where it has one (``MuonAdamW``,
+    ``LowRankQHAdam``), else AdamW's two moments in the tensors' dtype (it allocates them lazily: this is what
+    it holds after the first step)."""
+    own = getattr(optimizer, "state_bytes", None)
+    return own() if callable(own) else {"full_rank_moments": 2 * tensor_bytes(tensors)}
+
+
 class Strategy(ABC):
     """After-backward logic for the workers (model replicas) this process hosts."""
 

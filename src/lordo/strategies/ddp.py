@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Strategy, tensor_bytes
+from .base import Strategy, inner_state_bytes
 
 
 class DDPStrategy(Strategy):
@@ -19,5 +19,4 @@ class DDPStrategy(Strategy):
         return {"grad_norm": norms[0]}
 
     def state_bytes(self) -> dict[str, int]:
-        # AdamW allocates its moments lazily: report what it holds after the first step (2 fp32 copies)
-        return {"full_rank_moments": 2 * tensor_bytes(self.workers[0].params)}
+        return inner_state_bytes(self.workers[0].optimizer, self.workers[0].params)

@@ -23,7 +23,7 @@ from ..comm import Communicator
 from ..comm.codec import COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
-from .base import Strategy, check_number, tensor_bytes
+from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
 from .delayed import RoundInFlight
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -368,7 +368,7 @@ class LocalUpdateStrategy(Strategy):
             self.outer.load_state_dict(outer)
 
     def optimizer_bytes(self) -> dict[str, int]:
-        return {"full_rank_moments": 2 * tensor_bytes(self.workers[0].tensors)}
+        return inner_state_bytes(self.workers[0].optimizer, self.workers[0].tensors)
 
     def state_bytes(self) -> dict[str, int]:
         out = self.optimizer_bytes()
