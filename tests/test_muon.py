@@ -11,7 +11,8 @@ import lordo
 from lordo.config import build_config
 from lordo.errors import ConfigError
 from lordo.model.params import group_by_module
-from lordo.optim import MuonAdamW
+from lordo.optim import LowRankQHAdam, MuonAdamW
+from lordo.optim.muon import LowRankMuon
 
 
 def make():
@@ -106,7 +107,8 @@ def test_one_worker_ddp_with_muon_is_torchs_muon_and_adamw():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (['strategy.name="lordo"'], r"optim.inner = \"muon\" is the inner optimizer of ddp, local-adam, diloco; strategy 'lordo'"),
+    (['strategy.name="lordo"', "optim.compile_step=true"], r"LoRDO's Muon form, LowRankMuon\) runs per matrix"),
+    (['strategy.name="lordo"', 'strategy.lowrank_term="momentum"'], r"leave optim.compile_step = false and strategy.lowrank_term"),
     (['strategy.name="local-adam"', 'strategy.average_moments="all"'], r"Muon's matrices do not have"),
     (['strategy.name="ddp"', 'optim.muon_adjust_lr="rms"'], r"optim.muon_adjust_lr must be one of"),
 ])
@@ -127,3 +129,158 @@ def test_the_memory_report_counts_one_buffer_per_muon_matrix_and_two_moments_for
     muon, decay, rest = split(model)
     assert opt.strategy.state_bytes() == {"muon_momentum": 4 * sum(p.numel() for p in muon),
                                           "full_rank_moments": 8 * sum(p.numel() for p in decay + rest)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LoRDO in Muon's form: LowRankMuon
+
+
+def _ns64(x, steps=5, coefficients=(3.4445, -4.775, 2.0315)):
+    """Newton–Schulz written out in float64: X ← aX + b(XXᵀ)X + c(XXᵀ)²X on the wide orientation, from X/‖X‖."""
+    a, b, c = coefficients
+    tall = x.shape[0] > x.shape[1]
+    y = (x.T if tall else x) / x.norm()
+    for _ in range(steps):
+        gram = y @ y.T
+        y = a * y + b * gram @ y + c * gram @ gram @ y
+    return y.T if tall else y
+
+
+class _MuonSpec:
+    """The update of LowRankMuon's module doc in float64, term by term (right side: P q×r, proj = A·P)."""
+
+    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank):
+        self.W, self.P = w.detach().double().clone(), basis.double()
+        self.right = w.shape[0] >= w.shape[1]
+        self.E, self.M = torch.zeros_like(self.W), None
+        self.lr, self.mu, self.omega, self.wd, self.after_qh, self.rank = lr, mu, omega, wd, after_qh, rank
+
+    def proj(self, a):
+        return a @ self.P if self.right else self.P.T @ a
+
+    def back(self, g):
+        return g @ self.P.T if self.right else self.P @ g
+
+    def set_basis(self, new):
+        new = new.double()
+        c = new.T @ self.P
+        if self.M is not None:
+            self.M = self.M @ c.T if self.right else c @ self.M
+        self.P = new
+
+    def step(self, G):
+        A = G + self.E
+        g = self.proj(A)
+        self.E = A - self.back(g)
+        self.M = (1 - self.mu) * g if self.M is None else self.mu * self.M + (1 - self.mu) * g
+        Orth = _ns64((1 - self.mu) * g + self.mu * self.M)
+        p, q = self.W.shape
+        s = 0.2 * max(p, q) ** 0.5 * (min(p, q) / self.rank) ** 0.5
+        rho = s * Orth.norm() / (p * q) ** 0.5
+        rms_a = A.norm() / (p * q) ** 0.5
+        self.W = self.W * (1 - self.lr * self.wd) - self.lr * (self.omega * s * self.back(Orth) + (1 - self.omega) * rho * A / rms_a)
+        if self.after_qh == "remove":
+            self.E = self.omega * self.E
+
+
+@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
+def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh):
+    """Six steps at ω = 0.9 with error feedback (G + E in the QH term, deferred from the second step on) and weight
+    decay; the basis changes before step 4 (M rotated into it, E settled), both sides."""
+    torch.manual_seed(5)
+    r = 3
+    w = nn.Parameter(torch.randn(shape))
+    q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
+    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
+                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64)
+    opt.set_basis(w, q)
+    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r)
+    for t in range(1, 7):
+        if t == 4:
+            q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
+            opt.set_basis(w, q2)
+            spec.set_basis(q2)
+        G = torch.randn(shape, dtype=torch.float64)
+        w.grad = G.float()
+        opt.step()
+        spec.step(G)
+        torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
+    assert set(opt.state[w]) >= {"exp_avg", "basis", "error_feedback"} and "exp_avg_sq" not in opt.state[w]
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_at_full_rank_omega_one_and_the_identity_basis_it_is_torchs_muon(shape, adjust):
+    torch.manual_seed(6)
+    ours, ref = nn.Parameter(torch.randn(shape)), None
+    ref = nn.Parameter(ours.detach().clone())
+    opt = LowRankMuon([{"params": [ours], "rank": min(shape)}], lr=0.02, omega=1.0, weight_decay=0.1, adjust_lr_fn=adjust)
+    opt.set_basis(ours, torch.eye(min(shape)))
+    muon = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
+    for _ in range(5):
+        g = torch.randn(shape)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        muon.step()
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    assert float(opt.error_feedback(ours).abs().max()) == 0  # a basis of the whole space drops nothing
+
+
+def test_the_muon_form_resumes_bit_for_bit_and_holds_one_low_rank_moment():
+    torch.manual_seed(7)
+
+    def build(m, kind=LowRankMuon):
+        mats = [p for p in m.parameters() if p.ndim == 2 and p.shape[0] != 50 and p.shape[1] != 16]
+        rest = [p for p in m.parameters() if all(p is not q for q in mats)]
+        return kind([{"params": mats, "rank": 4}, {"params": rest, "rank": None}], lr=1e-2, omega=0.9)
+
+    model, twin = make(), make()
+    opt = build(model)
+    for step in range(3):
+        loss_of(model, step).backward()
+        opt.step()
+        opt.zero_grad()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twin.load_state_dict(model.state_dict())
+    opt2 = build(twin)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(3, 6):
+        for m, o in ((model, opt), (twin, opt2)):
+            loss_of(m, step).backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    adam = build(make(), LowRankQHAdam)  # the same groups with Adam's two low-rank moments
+    assert opt.state_bytes()["lowrank_moments"] * 2 == adam.state_bytes()["lowrank_moments"]
+
+
+def test_the_muon_form_refuses_what_it_does_not_do():
+    w = nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"batched=True: LowRankMuon runs per matrix"):
+        LowRankMuon([{"params": [w], "rank": 2}], batched=True)
+    with pytest.raises(ValueError, match=r"adjust_lr_fn must be one of"):
+        LowRankMuon([{"params": [w], "rank": 2}], adjust_lr_fn="rms")
+
+
+def test_lordo_with_the_muon_form_trains_workers_that_agree_after_each_synchronisation():
+    replicas = [make(), make()]
+    opt = lordo.distributed(replicas, "lordo", inner="muon", rank=4, sync_every=3, backend="sim")
+    assert all(type(w.optimizer).__name__ == "LowRankMuon" for w in opt.strategy.workers)
+    losses = []
+    for step in range(6):
+        for w, m in enumerate(replicas):
+            loss = loss_of(m, 10 * w + step)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+    for a, b in zip(*(m.parameters() for m in replicas)):
+        assert torch.equal(a, b)  # step 6 synchronised them
+    assert opt.last_stats.get("synced") == 1.0 and all(map(lambda x: x == x, losses))
+    state = opt.strategy.state_bytes()
+    low = [p for p, _ in opt.strategy.workers[0].optimizer.lowrank_params()]
+    assert state["lowrank_moments"] == sum(4 * 4 * max(p.shape) for p in low)  # one fp32 p×r moment per matrix

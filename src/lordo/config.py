@@ -149,9 +149,11 @@ class OptimConfig(_Section):
     compile_step: bool = _f(False, "run the low-rank optimizer step batched over matrix shapes and through "
                             "torch.compile (compiled at the first steps; on the CPU it needs a C++ compiler)")
     inner: str = _f("auto", "the inner optimizer: auto (the strategy's own: AdamW for ddp, local-adam and diloco, "
-                    "LowRankQHAdam for the others) or muon (torch.optim.Muon on the block matrices, AdamW on embeddings, "
-                    "head, norms and biases; ddp, local-adam and diloco)", _choice("auto", "muon"))
-    muon_momentum: float = _f(0.95, "Muon's momentum (optim.inner = muon)", _unit_open)
+                    "LowRankQHAdam for the others) or muon (ddp, local-adam, diloco: torch.optim.Muon on the block "
+                    "matrices, AdamW on embeddings, head, norms and biases; the low-rank strategies: LoRDO's Muon "
+                    "form, LowRankMuon)", _choice("auto", "muon"))
+    muon_momentum: float = _f(0.95, "Muon's momentum (optim.inner = muon; in the low-rank strategies it replaces "
+                              "optim.beta1 for the block matrices)", _unit_open)
     muon_nesterov: bool = _f(True, "Muon's Nesterov momentum (optim.inner = muon)")
     muon_ns_steps: int = _f(5, "Muon's Newton-Schulz iterations (optim.inner = muon)", _positive)
     muon_adjust_lr: str = _f("match_rms_adamw", "Muon's per-matrix rate: match_rms_adamw (0.2 sqrt(max(p, q)) times "
@@ -358,9 +360,11 @@ class Config:
             self._resolved_lr = None
 
     def _check_muon(self) -> None:
-        if self.strategy.name not in MUON_STRATEGIES:
-            raise ConfigError(f"optim.inner = \"muon\" is the inner optimizer of {', '.join(MUON_STRATEGIES)}; strategy "
-                              f"{self.strategy.name!r} takes LowRankQHAdam (set optim.inner = \"auto\")")
+        if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)
+            if self.optim.compile_step or self.strategy.lowrank_term != "adam":
+                raise ConfigError("optim.inner = \"muon\" (LoRDO's Muon form, LowRankMuon) runs per matrix with its own "
+                                  "low-rank term: leave optim.compile_step = false and strategy.lowrank_term = \"adam\"")
+            return
         if self.strategy.average_moments not in ("auto", "none"):
             raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "
                               "Muon's matrices do not have (optim.inner = \"muon\"): use auto or none")

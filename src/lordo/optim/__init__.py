@@ -4,11 +4,13 @@ parameters sharded by FSDP2 (``sharded.py``, when it meets one)."""
 from .functional import lowrank_qh_adam, lowrank_qh_adam_update, qh_adam_update
 from .hybrid import MuonAdamW
 from .lowrank import back_project, project, project_with_feedback, rotate_moments
+from .muon import LowRankMuon, newton_schulz
 from .optimizer import LowRankQHAdam
 from .sharded import fsdp_placement
 from .subspace import Side, captured_energy, check_rank, grad_of, overlap, side_of, subspace_iteration_basis, svd_basis
 
 __all__ = [
+    "LowRankMuon",
     "LowRankQHAdam",
     "MuonAdamW",
     "Side",
@@ -18,6 +20,7 @@ __all__ = [
     "fsdp_placement",
     "grad_of",
     "lowrank_qh_adam",
+    "newton_schulz",
     "lowrank_qh_adam_update",
     "overlap",
     "project",

@@ -94,6 +94,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
     matrices take the per-matrix path, not the batched one (nor the compiled one).
     """
 
+    _SECOND_MOMENT = True  # low-rank state keeps v (a subclass with one moment, the Muon form, sets False)
+
     def __init__(
         self,
         params: Iterable,
@@ -182,7 +184,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def _init_group(self, group: dict, params: list[torch.Tensor], ensure: bool = True) -> Lists:
         """The kernels' lists for ``params`` of ``group``, state created on first use unless ``ensure`` is False
         (optim/state.py: the one place a sharded parameter becomes this rank's shard)."""
-        return group_lists(group, params, self.state, ensure)
+        return group_lists(group, params, self.state, ensure, self._SECOND_MOMENT)
 
     def whole(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
         """``matrix`` shaped like ``p``, gathered from every rank's shard when ``p`` is sharded (a collective)."""
@@ -214,13 +216,17 @@ class LowRankQHAdam(torch.optim.Optimizer):
             raise ValueError(f"a basis must have orthonormal columns (max |PᵀP − I| = {deviation:.3g})")
         state = self.state[p]
         if "basis" not in state:
-            init_lowrank(state, p, group, new)
+            init_lowrank(state, p, group, new, self._SECOND_MOMENT)
             return
         self._bases_changed = True
         feedback.settle(state, side)  # E in the old basis
+        self._rotate(state, group, new, side)
+        state["basis"].copy_(new)
+
+    def _rotate(self, state: dict, group: dict, new: torch.Tensor, side: Side) -> None:
+        """The low-rank moments from the basis in ``state`` into ``new`` (LDAdam's rotation)."""
         b1, b2 = group["betas"]
         rotate_moments(state["exp_avg"], state["exp_avg_sq"], state["basis"], new, side, int(state["step"]), b1, b2)
-        state["basis"].copy_(new)
 
     def refresh_basis(self, p: torch.Tensor, matrix: torch.Tensor) -> bool:
         """Recompute p's basis from ``matrix`` and rotate the moments; False (basis kept) if it failed."""
@@ -262,7 +268,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         gradient) on first use."""
         groups = self._planner.index(self.param_groups).by_group(params)
         for group, positions in groups:
-            ensure_state(group, [params[i] for i in positions], self.state)
+            ensure_state(group, [params[i] for i in positions], self.state, self._SECOND_MOMENT)
             self._refresh_on_schedule(group, [params[i] for i in positions])
         out: list[torch.Tensor | None] = [None] * len(params)
         batched, each = self._planner.split(params, self.param_groups)
@@ -388,4 +394,4 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of state by category: low-rank moments, full-rank moments, bases, error feedback."""
-        return state_bytes(self.param_groups)
+        return state_bytes(self.param_groups, 2 if self._SECOND_MOMENT else 1)

@@ -33,11 +33,12 @@ class Lists:
     sum_totals: Callable | None = None  # sums over the shards of each matrix, likewise
 
 
-def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping, ensure: bool = True) -> Lists:
+def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping, ensure: bool = True,
+                second_moment: bool = True) -> Lists:
     """The lists the kernels take for ``params`` of ``group``, each parameter's state created on first use (a
     low-rank matrix's basis from its whole gradient); ``ensure=False``: the state exists (the step's second half)."""
     if ensure:
-        ensure_state(group, params, state)
+        ensure_state(group, params, state, second_moment)
     lowrank = group["rank"] is not None
     lists = Lists(params, [local(p) for p in params], [local(grad_of(p)) for p in params], [state[p] for p in params],
                   [side_of(p.shape) for p in params] if lowrank else [])
@@ -47,8 +48,9 @@ def group_lists(group: dict, params: list[torch.Tensor], state: MutableMapping, 
     return lists
 
 
-def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping) -> None:
-    """Each parameter's state, created on first use (a low-rank matrix's basis from its whole gradient)."""
+def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping, second_moment: bool = True) -> None:
+    """Each parameter's state, created on first use (a low-rank matrix's basis from its whole gradient; its second
+    moment unless ``second_moment`` is False: the Muon form keeps one moment)."""
     for p in params:
         check_dense(p)
         if group["rank"] is None and "step" not in state[p]:
@@ -57,7 +59,7 @@ def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping)
             basis = svd_basis(whole(p, grad_of(p)), group["rank"])
             if basis is None:
                 raise RuntimeError("could not compute an initial basis (SVD failed on the first gradient)")
-            init_lowrank(state[p], p, group, basis)
+            init_lowrank(state[p], p, group, basis, second_moment)
 
 
 def init_full_rank(state: dict, p: torch.Tensor) -> None:
@@ -67,7 +69,7 @@ def init_full_rank(state: dict, p: torch.Tensor) -> None:
     state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
 
 
-def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor) -> None:
+def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor, second_moment: bool = True) -> None:
     r = group["rank"]
     side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
     shape = (p.shape[0], r) if side == Side.RIGHT else (r, p.shape[1])
@@ -77,7 +79,8 @@ def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor)
     # underflow
     moment_dtype = torch.promote_types(p.dtype, torch.float32)
     state["exp_avg"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
-    state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+    if second_moment:
+        state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
     if group["error_feedback"]:
         state["error_feedback"] = torch.zeros_like(p, dtype=group.get("error_feedback_dtype") or p.dtype)
 
@@ -103,7 +106,7 @@ def restore_saved_dtypes(state: MutableMapping, params: Sequence[torch.Tensor], 
                 own[key] = value.to(device=own[key].device, copy=True)
 
 
-def state_bytes(groups: Sequence[dict]) -> dict[str, int]:
+def state_bytes(groups: Sequence[dict], lowrank_moments: int = 2) -> dict[str, int]:
     """Bytes of state by category: low-rank moments, full-rank moments, bases, error feedback (this rank's shard of
     a sharded parameter: what this device holds)."""
     out = {"lowrank_moments": 0, "full_rank_moments": 0, "bases": 0, "error_feedback": 0}
@@ -116,7 +119,7 @@ def state_bytes(groups: Sequence[dict]) -> dict[str, int]:
                 continue
             r = group["rank"]
             big = p.shape[0] if side_of(param.shape) == Side.RIGHT else p.shape[1]
-            out["lowrank_moments"] += 2 * big * r * max(itemsize, 4)
+            out["lowrank_moments"] += lowrank_moments * big * r * max(itemsize, 4)
             out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
             if group["error_feedback"]:
                 ef_dtype = group.get("error_feedback_dtype") or p.dtype

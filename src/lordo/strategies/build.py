@@ -20,6 +20,7 @@ from ..model.params import ParamGroup
 from ..optim import LowRankQHAdam
 from ..optim.functional import takes_fused_adamw
 from ..optim.hybrid import MuonAdamW
+from ..optim.muon import LowRankMuon
 from .base import Strategy
 from .basis import GlobalBasis, LocalBasis
 from .ddp import DDPStrategy
@@ -111,20 +112,24 @@ def basis_method(s: StrategyConfig) -> str:
 
 def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: OptimConfig, *, omega: float,
                            error_feedback: bool | None = None) -> LowRankQHAdam:
-    """``LowRankQHAdam`` over the low-rank split of ``groups`` with the config's hyperparameters."""
+    """``LowRankQHAdam`` over the low-rank split of ``groups`` with the config's hyperparameters (``LowRankMuon``, its
+    Muon form, with ``optim.inner = muon``)."""
     specs, _ = split_lowrank(groups, s.lowrank_pattern, s.rank)
     param_groups = [
         {"params": spec["params"], "rank": spec["rank"], "name": spec["name"],
          "weight_decay": o.weight_decay if spec["decay"] else 0.0}
         for spec in specs
     ]
-    return LowRankQHAdam(
-        param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=omega,
+    common = dict(
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=omega,
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=basis_method(s),
         basis_iterations=s.basis_iterations, error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
-        compile=o.compile_step, lowrank_term=s.lowrank_term,
     )
+    if o.inner == "muon":  # LoRDO's Muon form (config checks leave compile_step and lowrank_term at their defaults)
+        return LowRankMuon(param_groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
+                           adjust_lr_fn=o.muon_adjust_lr, **common)
+    return LowRankQHAdam(param_groups, compile=o.compile_step, lowrank_term=s.lowrank_term, **common)
 
 
 DILOCO_OUTER = (0.7, 0.9)  # DiLoCo's outer learning rate and Nesterov momentum

@@ -222,7 +222,9 @@ class LocalUpdateStrategy(Strategy):
 
     def _moments(self, key: str) -> list[list[torch.Tensor]]:
         """Each hosted worker's moments ``key`` of its averaged parameters (their shards, if sharded)."""
-        return [[local(w.optimizer.state[p][key]) for p in self.averaged_params(i)] for i, w in enumerate(self.workers)]
+        # (an optimizer without that moment, as the Muon form without v, gives none)
+        return [[local(s[key]) for p in self.averaged_params(i) if key in (s := w.optimizer.state[p])]
+                for i, w in enumerate(self.workers)]
 
     def mirror_round(self, kind: str, resume_at: int) -> None:
         # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway

@@ -1,0 +1,155 @@
+"""``LowRankMuon``: LoRDO's local step in Muon's form — momentum of the projected gradient, orthogonalised in
+the r-dimensional space of the shared basis, plus the full-rank quasi-hyperbolic term (docs/concepts.md).
+
+For a matrix W (p×q) with basis P (its smaller side, as :class:`~lordo.optim.LowRankQHAdam`), gradient G and
+error feedback E::
+
+    A = G + E ;  g = proj(A) ;  E ← A − back(g)            # error feedback, deferred as LowRankQHAdam's
+    M ← μ·M + (1−μ)·g                                     # torch's Muon: buf.lerp_(g, 1 − μ)
+    N = (1−μ)·g + μ·M (Nesterov) or M
+    O = NS(N)                                             # Newton–Schulz on the p×r (or r×q) matrix
+    s = adjust(p, q)·sqrt(min(p, q)/r)                    # Muon's per-matrix rate, and the rank's share
+    ρ = s·‖O‖/sqrt(p·q)                                   # the RMS of s·back(O) (back keeps norms)
+    Q = G or A (qh_source) ;  W ← W·(1 − ηλ) − η·(ω·s·back(O) + (1 − ω)·ρ·Q/rms(Q))
+
+``adjust`` is torch's: ``match_rms_adamw`` 0.2·sqrt(max(p, q)), ``original`` sqrt(max(1, p/q)); the factor
+sqrt(min(p, q)/r) gives the rank-r update the RMS of a full-rank orthogonal one (an orthogonal p×q matrix of
+rank r has RMS sqrt(r/(p·q))). At r = min(p, q), ω = 1 and P = I this is torch's ``torch.optim.Muon`` step. At
+a basis change M is carried into the new basis as Adam's first moment is (M ← M·Cᵀ, C = P_newᵀ·P_old).
+
+The momentum lives in the state as ``exp_avg`` with μ as the group's ``betas[0]`` (it is Adam's first moment
+with β1 = μ), so that LoRDO's strategies average and replay it as they do Adam's; there is no second moment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from . import feedback
+from .lowrank import rotate_moments
+from .optimizer import LowRankQHAdam
+from .sharded import is_sharded
+from .state import Lists
+from .subspace import Side
+
+ADJUST_LR = ("match_rms_adamw", "original")
+NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch's (Keller Jordan's quintic)
+
+
+def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = 5,
+                  eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An approximately orthogonal matrix with ``x``'s singular vectors (U·S'·Vᵀ, S' near 1), by ``steps`` quintic
+    Newton–Schulz iterations in ``dtype`` on the wide orientation (Gram matrix of the smaller side), after scaling
+    to Frobenius norm 1; torch's Muon runs the same iteration in bfloat16."""
+    a, b, c = coefficients
+    y = x.to(dtype)
+    tall = y.shape[0] > y.shape[1]
+    if tall:
+        y = y.T
+    y = y / y.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = y @ y.T
+        y = torch.addmm(y, torch.addmm(gram, gram, gram, beta=b, alpha=c), y, beta=a)
+    return y.T if tall else y
+
+
+def rank_scale(shape: tuple[int, int], rank: int, adjust: str) -> float:
+    """s: Muon's per-matrix rate factor of a p×q matrix, times sqrt(min(p, q)/r)."""
+    p, q = shape
+    base = 0.2 * math.sqrt(max(p, q)) if adjust == "match_rms_adamw" else math.sqrt(max(1.0, p / q))
+    return base * math.sqrt(min(p, q) / rank)
+
+
+@dataclass(frozen=True)
+class MuonOptions:
+    momentum: float
+    nesterov: bool
+    coefficients: tuple[float, float, float]
+    steps: int
+    eps: float
+    adjust: str
+    dtype: torch.dtype
+
+
+class LowRankMuon(LowRankQHAdam):
+    """LoRDO's local optimizer in Muon's form (see the module doc); groups with ``rank=None`` take full-rank
+    QHAdam with ``betas`` and ``eps`` as in :class:`LowRankQHAdam`.
+
+    ``momentum``, ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``ns_eps``, ``adjust_lr_fn`` are torch's Muon
+    options (``adjust_lr_fn`` defaults to ``match_rms_adamw``: AdamW's rate and weight decay carry over);
+    ``ns_dtype`` the Newton–Schulz precision (bfloat16, as torch; float32/float64 for references). Every other
+    option is :class:`LowRankQHAdam`'s. Runs per matrix (``batched``/``compile`` refused by name) and on whole
+    matrices (FSDP2 shards refused: the iteration needs every row)."""
+
+    _SECOND_MOMENT = False
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
+                 adjust_lr_fn: str = "match_rms_adamw", ns_dtype: torch.dtype = torch.bfloat16,
+                 betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
+        for key in ("batched", "compile"):
+            if options.get(key):
+                raise ValueError(f"{key}={options[key]!r}: LowRankMuon runs per matrix; leave {key} out")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if adjust_lr_fn not in ADJUST_LR:
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {adjust_lr_fn!r}")
+        if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
+            raise ValueError(f"ns_steps must be an integer in [1, 100), got {ns_steps!r}")
+        a, b, c = ns_coefficients
+        self.muon = MuonOptions(momentum=momentum, nesterov=nesterov, coefficients=(a, b, c), steps=ns_steps,
+                                eps=ns_eps, adjust=adjust_lr_fn, dtype=ns_dtype)
+        super().__init__(params, lr=lr, betas=betas, batched=False, **options)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """:class:`LowRankQHAdam`'s, with μ as the low-rank groups' ``betas[0]`` and FSDP2 shards refused."""
+        count = len(self.param_groups)
+        super().add_param_group(param_group)  # may add two groups (matrices, and the rest full-rank), each through here
+        for group in self.param_groups[count:]:
+            if any(is_sharded(p) for p in group["params"]):
+                del self.param_groups[count:]
+                raise ValueError("LowRankMuon does not take parameters sharded by FSDP2: Newton–Schulz needs every "
+                                 "row of a matrix; use LowRankQHAdam (lordo's default inner optimizer)")
+            if group["rank"] is not None:
+                group["betas"] = (self.muon.momentum, group["betas"][1])
+
+    def _rotate(self, state: dict, group: dict, new: torch.Tensor, side: Side) -> None:
+        """M into the new basis (the first moment's rotation; there is no second moment)."""
+        unused = torch.zeros_like(state["exp_avg"])
+        rotate_moments(state["exp_avg"], unused, state["basis"], new, side, int(state["step"]), *group["betas"])
+
+    def _apply_each(self, group: dict, lists: Lists, gs: list[torch.Tensor]) -> None:
+        mu, lr, omega = group["betas"][0], float(group["lr"]), group["omega"]
+        m = self.muon
+        for weight, g, grad, state, side in zip(lists.weights, gs, lists.grads, lists.states, lists.sides, strict=True):
+            state["step"] += 1
+            buffer, basis = state["exp_avg"], state["basis"].to(weight.dtype)
+            buffer.lerp_(g, 1 - mu)
+            o = newton_schulz(g.lerp(buffer, mu) if m.nesterov else buffer, m.coefficients, m.steps, m.eps,
+                              m.dtype).to(weight.dtype)
+            s = rank_scale((weight.shape[0], weight.shape[1]), group["rank"], m.adjust)
+            left, right = (o, basis.T) if side == Side.RIGHT else (basis, o)
+            weight.addmm_(left, right, beta=1 - lr * group["weight_decay"], alpha=-lr * omega * s * group["scale"])
+            if omega < 1:
+                q = self._qh_input(group, state, g, grad, basis, side)
+                ratio = s * o.float().norm() / q.float().norm().clamp(min=1e-30)  # ρ/rms(Q): 0-d, on the device
+                weight.addcmul_(q, ratio.to(weight.dtype), value=-lr * (1 - omega))
+        if feedback.shrinks(group):
+            feedback.shrink(lists.states, omega)
+
+    @staticmethod
+    def _qh_input(group: dict, state: dict, g: torch.Tensor, grad: torch.Tensor, basis: torch.Tensor,
+                  side: Side) -> torch.Tensor:
+        """Q: G, or A = G + E formed from its representation (optim/feedback.py): factor·full − back(low)."""
+        if group["qh_source"] == "grad":
+            return grad
+        full, low, factor = feedback.qh_input(state, g, grad)
+        if low is None:
+            return full if factor == 1.0 else full * factor
+        if side == Side.RIGHT:
+            return torch.addmm(full, low.to(full.dtype), basis.T, beta=factor, alpha=-1)
+        return torch.addmm(full, basis, low.to(full.dtype), beta=factor, alpha=-1)
