@@ -316,3 +316,18 @@ def test_muon_runs_the_same_on_gloo_processes_as_on_the_simulator(strategy):
         assert status == "ok", value
         for k, v in expected[rank].items():
             torch.testing.assert_close(value[0][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_copy_of_the_muon_form_steps_as_the_original():
+    import copy
+
+    w = nn.Parameter(torch.randn(8, 5))
+    opt = LowRankMuon([{"params": [w], "rank": 2}], lr=0.01, omega=0.9)
+    w.grad = torch.randn(8, 5)
+    opt.step()
+    twin = copy.deepcopy({"w": w, "opt": opt})
+    for m in (w, twin["w"]):
+        m.grad = torch.ones(8, 5)
+    opt.step()
+    twin["opt"].step()
+    assert torch.equal(w, twin["w"])

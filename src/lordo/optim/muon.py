@@ -105,6 +105,9 @@ class LowRankMuon(LowRankQHAdam):
                                 eps=ns_eps, adjust=adjust_lr_fn, dtype=ns_dtype)
         super().__init__(params, lr=lr, betas=betas, batched=False, **options)
 
+    def __getstate__(self) -> dict:  # torch's keeps defaults, state and groups only: a copy needs the options too
+        return {**super().__getstate__(), "muon": self.muon}
+
     def add_param_group(self, param_group: dict) -> None:
         """:class:`LowRankQHAdam`'s, with μ as the low-rank groups' ``betas[0]`` and FSDP2 shards refused."""
         count = len(self.param_groups)

@@ -8,8 +8,9 @@ through ``torch.load(..., weights_only=True)``; LR schedulers work through ``par
 
 Where each part lives: the options and their checks in ``options.py``; the update kernels (one functional entry,
 a per-matrix and a batched implementation) in ``functional.py``; error feedback and its deferred form in
-``feedback.py``; the batched state layout in ``stacked.py`` and the kept plans in ``plan.py``; FSDP2 shards in
-``sharded.py``, which this class enters at one place, :meth:`LowRankQHAdam._init_group`.
+``feedback.py``; state creation, its bytes and the one place a sharded FSDP2 parameter becomes this rank's shard
+in ``state.py`` (``sharded.py`` holds the sharding itself); the batched state layout in ``stacked.py`` and the
+kept plans in ``plan.py``; the Muon form, a subclass, in ``muon.py``.
 """
 
 from __future__ import annotations
