@@ -100,7 +100,8 @@ def _adamw_optimizers(replica: Replica, device: torch.device, skipped: dict[str,
 def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.device,
                       compiled: bool) -> dict[str, torch.optim.Optimizer]:
     """lordo's optimizer as the defaults build it, its other forms of the full-rank term, its other execution
-    path on ``device`` (batched over shapes, or per matrix), compiled (if asked) and without error feedback."""
+    path on ``device`` (batched over shapes, or per matrix), compiled (if asked), without error feedback, and the
+    Muon rows."""
     from ..strategies import make_lowrank_optimizer
 
     cfg = build_config(overrides=[f'model.preset="{preset}"', f"strategy.rank={r}", 'strategy.name="lordo"'])
@@ -126,7 +127,21 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
         for group in opt.param_groups:
             group.update(options)
     out["lordo, error_feedback=false"] = build(error_feedback=False)  # like for like with GaLore, which keeps none
+    out.update(_muon_optimizers(replica, cfg))
     return out
+
+
+def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
+    """Muon as ``optim.inner = "muon"`` builds it: LoRDO's Muon form (LowRankMuon at the same rank) and torch's
+    Muon on the block matrices with AdamW on the rest (ddp's and local-adam's inner optimizer)."""
+    from ..strategies import make_lowrank_optimizer
+    from ..strategies.build import make_inner
+
+    muon = dataclasses.replace(cfg.optim, inner="muon")
+    gs, _, _ = replica()
+    low = make_lowrank_optimizer(gs, cfg.strategy, muon, omega=cfg.strategy.omega)
+    gs, _, _ = replica()
+    return {"lordo, Muon form (LowRankMuon)": low, "torch Muon + AdamW (MuonAdamW)": make_inner(gs, muon)}
 
 
 def _peer_optimizers(replica: Replica, r: int, skipped: dict[str, str]) -> dict[str, torch.optim.Optimizer]:
