@@ -202,15 +202,16 @@ def test_bad_options_are_refused(kwargs, message):
         LowRankQHAdam([torch.nn.Parameter(torch.zeros(9, 5))], **kwargs)
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit(batched):
+@pytest.mark.parametrize("batched, compiled", [(False, False), (True, False), (True, True)],
+                         ids=["per-matrix", "batched", "compiled"])
+def test_state_dict_round_trips_with_weights_only_and_resumes_bit_for_bit(batched, compiled):
     model, twin = mlp(), mlp()
     mats, vecs = matrices_and_vectors(model)
 
     def make(m):
         a, b = matrices_and_vectors(m)
         return LowRankQHAdam([{"params": a, "rank": 2}, {"params": b, "rank": None}], lr=1e-2, omega=0.9,
-                             batched=batched)
+                             batched=batched, compile=compiled)
 
     opt = make(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
