@@ -69,9 +69,11 @@ def test_muon_adamw_is_torchs_muon_and_adamw_stepped_side_by_side_with_a_schedul
     assert set(opt.state[list(ours.parameters())[1]]) == {"momentum_buffer"}
 
 
-def test_muon_adamw_resumes_bit_for_bit_from_a_weights_only_state():
+def _resume_from_a_weights_only_state(build, build_twin=None):
+    """Three steps, the state saved and loaded (weights_only) into a twin, three more steps of both: (the original
+    optimizer, the original model, the twin)."""
     model, twin = make(), make()
-    opt = hybrid(model)
+    opt = build(model)
     for step in range(3):
         loss_of(model, step).backward()
         opt.step()
@@ -80,13 +82,19 @@ def test_muon_adamw_resumes_bit_for_bit_from_a_weights_only_state():
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
     twin.load_state_dict(model.state_dict())
-    opt2 = hybrid(twin, lr=0.5)  # the state's learning rate wins, as in torch
+    opt2 = (build_twin or build)(twin)
     opt2.load_state_dict(torch.load(buf, weights_only=True))
     for step in range(3, 6):
         for m, o in ((model, opt), (twin, opt2)):
             loss_of(m, step).backward()
             o.step()
             o.zero_grad()
+    return opt, model, twin
+
+
+def test_muon_adamw_resumes_bit_for_bit_from_a_weights_only_state():
+    # the twin built at another rate: the state's learning rate wins, as in torch
+    _, model, twin = _resume_from_a_weights_only_state(hybrid, lambda m: hybrid(m, lr=0.5))
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
 
@@ -236,23 +244,7 @@ def test_the_muon_form_resumes_bit_for_bit_and_holds_one_low_rank_moment():
         rest = [p for p in m.parameters() if all(p is not q for q in mats)]
         return kind([{"params": mats, "rank": 4}, {"params": rest, "rank": None}], lr=1e-2, omega=0.9)
 
-    model, twin = make(), make()
-    opt = build(model)
-    for step in range(3):
-        loss_of(model, step).backward()
-        opt.step()
-        opt.zero_grad()
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    twin.load_state_dict(model.state_dict())
-    opt2 = build(twin)
-    opt2.load_state_dict(torch.load(buf, weights_only=True))
-    for step in range(3, 6):
-        for m, o in ((model, opt), (twin, opt2)):
-            loss_of(m, step).backward()
-            o.step()
-            o.zero_grad()
+    opt, model, twin = _resume_from_a_weights_only_state(build)
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     adam = build(make(), LowRankQHAdam)  # the same groups with Adam's two low-rank moments
