@@ -461,3 +461,20 @@ def test_launch_mistakes_are_named_before_any_process_starts(monkeypatch, capsys
         assert main(["train", "--backend", "nccl", "--workers", "2", "--steps", "1"]) == 2
         err = capsys.readouterr().err
         assert err.count("needs CUDA GPUs and torch sees none") == 1 and "starting" not in err
+
+
+def test_a_config_of_the_first_format_resumes_as_it_ran():
+    """tests/data/config_2026-11-30.json is a run's config.json as lordo wrote it on 2026-11-30, before most of
+    today's fields: filled in the way ``lordo train --resume`` fills it, it differs from nothing, and a field
+    added without saying how an older run behaved (checkpoint.ADDED_FIELDS) fails here."""
+    from lordo.train.checkpoint import config_differences, with_added_fields
+
+    path = Path(__file__).parent / "data" / "config_2026-11-30.json"
+    saved = json.loads(path.read_text())
+    filled = with_added_fields({k: v for k, v in saved.items() if k != "derived"})
+    resumed = build_config(tree=filled).to_dict()
+    assert config_differences(saved, resumed) == []
+    assert resumed["strategy"]["error_feedback_after_qh"] == "keep"  # the default then, "remove" now
+    # built from the file alone, today's defaults apply where the fields are missing: a different run, said
+    assert "strategy.error_feedback_after_qh: 'keep' in the checkpoint, 'remove' now" in config_differences(
+        saved, build_config(path).to_dict())

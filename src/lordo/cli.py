@@ -93,7 +93,7 @@ def _resumed_config(folder: Path) -> dict:
     """The settings of the run in ``folder``: its config.json, or (when that is missing or damaged) the one
     its newest checkpoint holds. A folder without a complete checkpoint has nothing to resume."""
     from .errors import ConfigError
-    from .train.checkpoint import Checkpointer, CheckpointError
+    from .train.checkpoint import Checkpointer, CheckpointError, with_added_fields
 
     if not folder.is_dir():
         raise ConfigError(f"--resume {folder}: no such folder")
@@ -109,7 +109,7 @@ def _resumed_config(folder: Path) -> dict:
             saved = Checkpointer.read_meta(checkpoints.complete_dirs()[-1])["config"]
         except CheckpointError as exc:
             raise ConfigError(f"--resume {folder}: config.json is missing or damaged and {exc}") from None
-    return {k: v for k, v in saved.items() if k != "derived"}
+    return {k: v for k, v in with_added_fields(saved).items() if k != "derived"}
 
 
 def _print_summary(s: dict, out: Path) -> None:

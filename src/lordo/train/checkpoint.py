@@ -333,23 +333,47 @@ ADDED_FIELDS = {
     ("comm", "medium"): "switched",
     ("strategy", "lowrank_term"): "adam",
     ("strategy", "average_error_feedback"): False,
+    ("optim", "compile_step"): False,
+    ("strategy", "compress"): "none",
+    ("strategy", "compress_feedback"): True,  # nothing to feed back without compression: the same either way
+    ("strategy", "error_feedback_dtype"): "float32",
+    ("dist", "shard"): False,
+    ("optim", "inner"): "auto",
+    # the Muon fields are read only with optim.inner = "muon", which an older run cannot have
+    ("optim", "muon_momentum"): 0.95,
+    ("optim", "muon_nesterov"): True,
+    ("optim", "muon_ns_steps"): 5,
+    ("optim", "muon_adjust_lr"): "match_rms_adamw",
 }
 
 
-def _resolved_basis_method(config: dict) -> dict:
-    """``strategy.basis_method = auto`` as the method it stands for (what decides the trajectory), so that a
-    checkpoint saved with the explicit value, before auto existed, resumes."""
-    strategy = config.get("strategy", {})
-    if strategy.get("basis_method") != "auto":
-        return config
-    method = "svd" if strategy.get("name") == "lordo-local" else "subspace"
-    return {**config, "strategy": {**strategy, "basis_method": method}}
+def with_added_fields(saved: dict) -> dict:
+    """``saved`` (a run's config as written) with each field it lacks because it was added later set to the
+    value that behaves as lordo did before it (``ADDED_FIELDS``): what ``lordo train --resume`` continues."""
+    out = {section: dict(body) if isinstance(body, dict) else body for section, body in saved.items()}
+    for (section, key), value in ADDED_FIELDS.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out
+
+
+def _resolved_auto(config: dict) -> dict:
+    """``strategy.basis_method = auto`` and ``train.precision = auto`` as what they stand for (what decides the
+    trajectory), so that a checkpoint saved with the explicit value, before auto existed, resumes."""
+    strategy, train = config.get("strategy", {}), config.get("train", {})
+    if strategy.get("basis_method") == "auto":
+        method = "svd" if strategy.get("name") == "lordo-local" else "subspace"
+        config = {**config, "strategy": {**strategy, "basis_method": method}}
+    if train.get("precision") == "auto":
+        cuda = train.get("device") == "cuda" or (train.get("device") == "auto" and torch.cuda.is_available())
+        config = {**config, "train": {**train, "precision": "bf16-mixed" if cuda else "fp32"}}
+    return config
 
 
 def trajectory_settings(config: dict) -> dict:
     """The settings of ``config`` that shape the trajectory: what may not differ between a checkpoint and its
     resume, or between the workers of one torchft run (``RESUMABLE_CHANGES`` and ``derived`` left out)."""
-    config = _resolved_basis_method(config)
+    config = _resolved_auto(config)
     return {section: {k: v for k, v in body.items() if (section, k) not in RESUMABLE_CHANGES}
             for section, body in config.items() if section != "derived" and isinstance(body, dict)}
 
@@ -358,7 +382,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     """Fields (section.key: saved → current) that differ and may not change on resume. A field the saved
     config lacks because it was added later counts as the value that behaves as before (``ADDED_FIELDS``)."""
     out = []
-    saved, current = _resolved_basis_method(saved), _resolved_basis_method(current)
+    saved, current = _resolved_auto(saved), _resolved_auto(current)
     for section, body in current.items():
         if section == "derived" or not isinstance(body, dict):
             continue
