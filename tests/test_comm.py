@@ -256,6 +256,15 @@ def test_launcher_stops_the_others_when_one_worker_dies():
     assert time.monotonic() - t0 < 30
 
 
+def test_the_launcher_holds_the_rendezvous_port_before_any_worker_starts():
+    """No port race: the launcher hosts the store (as torch's elastic agent does for torchrun) on a port bound
+    before the workers start and held until they end, so a worker finds it listening at once, before any rank
+    could have bound it; the workers join it as clients (TORCHELASTIC_USE_AGENT_STORE)."""
+    code = ("import os, socket; s = socket.create_connection(('127.0.0.1', int(os.environ['MASTER_PORT'])), timeout=5); "
+            "s.close(); raise SystemExit(0 if os.environ.get('TORCHELASTIC_USE_AGENT_STORE') == 'True' else 5)")
+    launch_local([sys.executable, "-c", code], 2)
+
+
 def test_launcher_names_worker_and_rank_under_worker_groups():
     code = "import os, time; r = int(os.environ['RANK']); time.sleep(0.5 if r == 3 else 120); raise SystemExit(3)"
     with pytest.raises(WorkerFailed, match=r"process 3 of 4 \(worker 1, rank 1 of 2\) exited with code 3; the other "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,10 +39,15 @@ def die_with_parent(sig: int = signal.SIGTERM):
     return arm if sys.platform.startswith("linux") else None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def host_store(timeout_s: float = 300.0):
+    """The rendezvous store, hosted by this launcher on a port the system picks and held for the whole run,
+    as torch's elastic agent hosts it for torchrun's workers (they join it as clients when
+    ``TORCHELASTIC_USE_AGENT_STORE`` is set). Nothing can take the port between choosing and binding it."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
 def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s: float = 10.0,
@@ -56,7 +60,7 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
     and exit, and the launcher then raises :class:`Stopped` with the signal's exit status; so it does when the
     workers themselves were sent the signal (a scheduler's SIGTERM). ``workers`` counts processes; with
     ``ranks_per_worker`` > 1 messages name a failed process's worker and rank."""
-    port = free_port()
+    store = host_store()  # kept open until every worker has exited
     threads = max(1, (os.cpu_count() or 1) // workers)
     procs = []
     for rank in range(workers):
@@ -67,7 +71,8 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
             WORLD_SIZE=str(workers),
             LOCAL_WORLD_SIZE=str(workers),
             MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             LORDO_LAUNCHED="1",
         )
         env.setdefault("OMP_NUM_THREADS", str(threads))  # M processes share the cores
@@ -88,6 +93,7 @@ def launch_local(command: list[str], workers: int, poll_s: float = 0.1, grace_s:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        del store
 
 
 class _Names:
