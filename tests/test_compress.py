@@ -192,7 +192,7 @@ def test_compression_state_survives_a_state_dict_round_trip():
 def test_compress_needs_a_local_update_strategy():
     with pytest.raises(ConfigError, match="strategy.compress applies to the synchronisations of local-adam"):
         strategy_config("ddp", ['strategy.compress="int8"'])
-    with pytest.raises(ConfigError, match=r"strategy.compress must be one of 'none', 'bf16', 'int8', 'int4', got 'fp8'"):
+    with pytest.raises(ConfigError, match=r"strategy.compress must be one of 'none', 'bf16', 'int8', 'int4', 'sparse', 'basis', got 'fp8'"):
         strategy_config("lordo", ['strategy.compress="fp8"'])
 
 

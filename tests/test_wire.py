@@ -21,14 +21,19 @@ def written() -> int:
 def wire_worker(n: int):
     from lordo.comm.torch_dist import TorchDistCommunicator
 
+    from lordo.comm.sparse import SparseCodec
+
     comm = TorchDistCommunicator("gloo", timeout_s=60)
     world = comm.world_size
+    sparse = SparseCodec(density=1.0, bits=8)
     out = {}
     collectives = {
         "all_reduce:x": lambda: comm.all_reduce_mean([[torch.ones(n // 2), torch.ones(n // 2)]], tag="x"),
         "all_gather:x": lambda: comm.all_gather([[torch.ones(n)]], tag="x"),
         "broadcast:x": lambda: comm.broadcast([[torch.ones(n)]], tag="x"),
         "all_to_all:x": lambda: comm.all_to_all([[torch.ones(n // world) for _ in range(world)]], tag="x"),
+        # a sparse payload (compress = sparse / basis): packed uint8 buffers, all-gathered
+        "all_gather:sparse": lambda: comm.all_gather([[sparse.encode(torch.randn(n))]], tag="sparse"),
     }
     try:
         for key, run in collectives.items():

@@ -43,7 +43,11 @@ def _unit_closed(v: Any) -> str | None:
     return None if 0 <= v <= 1 else "must be in [0, 1]"
 
 
-def _choice(*allowed: str) -> Callable[[Any], str | None]:
+def _fraction(v: Any) -> str | None:  # (0, 1]
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _choice(*allowed: Any) -> Callable[[Any], str | None]:
     def check(v: Any) -> str | None:
         return None if v in allowed else f"must be one of {', '.join(map(repr, allowed))}"
 
@@ -259,8 +263,20 @@ class StrategyConfig(_Section):
     compress: str = _f("none", "payload of the synchronisations of local-update strategies: none (fp32), bf16 "
                        "(pseudo-gradient and moments all-reduced in bfloat16), int8 or int4 (pseudo-gradient quantised in "
                        "blocks of 256 / 128 elements with a float32 scale each and averaged by a quantised reduce-scatter "
-                       "and all-gather; averaged moments in int8, second moments in the log domain)",
-                       _choice("none", "bf16", "int8", "int4"))
+                       "and all-gather; averaged moments in int8, second moments in the log domain), sparse (chunk-wise "
+                       "top-k of the pseudo-gradient, strategy.compress_density and _bits, all-gathered) or basis "
+                       "(lordo, lordo-global-noqh: each low-rank matrix's pseudo-gradient as its coefficients in the "
+                       "shared basis, through strategy.compress_dense, plus a sparse residual)",
+                       _choice("none", "bf16", "int8", "int4", "sparse", "basis"))
+    compress_dense: str = _f("int8", "compress = sparse or basis: the codec of what travels dense (the coefficients in the "
+                             "basis, the averaged moments, full-rank tensors with compress_fullrank = dense): none, bf16, "
+                             "int8 or int4", _choice("none", "bf16", "int8", "int4"))
+    compress_density: float = _f(1 / 64, "compress = sparse or basis: the fraction of each chunk of 4,096 elements "
+                                 "sent (its largest magnitudes), in (0, 1]", _fraction)
+    compress_bits: int = _f(2, "compress = sparse or basis: bits per sent value (2, 4 or 8; indices take 12)",
+                            _choice(2, 4, 8))
+    compress_fullrank: str = _f("sparse", "compress = basis: full-rank tensors (embedding, norms) through the sparse "
+                                "codec or dense, with the coefficients", _choice("sparse", "dense"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "
@@ -339,6 +355,8 @@ class Config:
                 f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
                 f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
             )
+        if self.strategy.compress in ("sparse", "basis"):
+            self._check_sparse()
         if self.optim.inner == "muon":
             self._check_muon()
         if self.dist.backend == "torchft":
@@ -358,6 +376,20 @@ class Config:
             self._resolved_lr: float | None = self.optim.lr
         else:
             self._resolved_lr = None
+
+    def _check_sparse(self) -> None:
+        s = self.strategy
+        if s.compress == "basis" and s.name not in ("lordo", "lordo-global-noqh"):
+            has = "its own bases per worker" if s.name == "lordo-local" else "no bases"
+            raise ConfigError(f"strategy.compress = \"basis\" sends coefficients in the basis every worker shares: it "
+                              f"needs lordo or lordo-global-noqh ({s.name!r} has {has}); use compress = \"sparse\"")
+        if self.dist.backend == "torchft":
+            raise ConfigError(f"strategy.compress = {s.compress!r} all-gathers sparse payloads; dist.backend = \"torchft\" "
+                              "only averages: use compress = none or bf16")
+        if self.dist.ranks_per_worker > 1:
+            raise ConfigError(f"strategy.compress = {s.compress!r} encodes each worker's whole pseudo-gradient; workers of "
+                              "several ranks (dist.ranks_per_worker > 1) exchange shards: use compress = none, bf16, int8 "
+                              "or int4")
 
     def _check_muon(self) -> None:
         if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)
@@ -567,7 +599,7 @@ def describe() -> str:
         for f in fields(cls):
             check = f.metadata.get("check")
             choices = getattr(check, "choices", None)
-            extra = f" (one of: {', '.join(choices)})" if choices else ""
+            extra = f" (one of: {', '.join(map(str, choices))})" if choices else ""
             default = json.dumps(getattr(defaults, f.name))
             lines.append(f"  {section}.{f.name} = {default}  -- {f.metadata['help']}{extra}")
     return "\n".join(lines)

@@ -99,8 +99,14 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]]) -> dict[s
     return {"machine": machine(), "rows": rows}
 
 
-WIRE_CASES = (("ddp", "none"), ("lowrank-ddp", "none"), ("local-adam", "none"), ("lordo", "none"), ("lordo", "bf16"),
-              ("lordo", "int8"), ("lordo", "int4"))
+WIRE_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("ddp", "none", ()), ("lowrank-ddp", "none", ()), ("local-adam", "none", ()), ("lordo", "none", ()),
+    ("lordo", "bf16", ()), ("lordo", "int8", ()), ("lordo", "int4", ()),
+    ("local-adam", "sparse", ()), ("lordo", "sparse", ()), ("lordo", "basis", ()),
+    ("lordo", "basis", ('strategy.compress_dense="int4"',)),
+    ("lordo", "basis", ('strategy.compress_dense="int4"', "strategy.compress_density=0.0078125")),
+    ("lordo", "basis", ('strategy.compress_fullrank="dense"',)),
+)
 PER_STEP_TAGS = ("gradient", "projected_gradient")  # sent every step; everything else once per sync period
 
 
@@ -116,9 +122,10 @@ def wire_benchmark(preset: str, rank: int, worlds: tuple[int, ...], sync_every: 
     rows = []
     for world in worlds:
         ddp_wire = None
-        for name, compress in WIRE_CASES:
+        for name, compress, extra in WIRE_CASES:
             cfg = build_config(overrides=[f'model.preset="{preset}"', f'strategy.name="{name}"', f"strategy.rank={rank}",
-                                          "strategy.sync_every=2", f'strategy.compress="{compress}"', f"dist.workers={world}"])
+                                          "strategy.sync_every=2", f'strategy.compress="{compress}"', f"dist.workers={world}",
+                                          *extra])
             models = [build_model(cfg, 4096) for _ in range(world)]
             opt = DistributedOptimizer(models, cfg, SimCommunicator(world))
             gen = torch.Generator().manual_seed(0)
@@ -139,7 +146,9 @@ def wire_benchmark(preset: str, rank: int, worlds: tuple[int, ...], sync_every: 
             if name == "ddp":
                 ddp_wire = per_step["wire"]
             assert ddp_wire is not None
-            rows.append({"workers": world, "name": name if compress == "none" else f"{name}, {compress}",
+            label = name if compress == "none" else f"{name}, {compress}"
+            settings = ", ".join(o.split(".", 1)[1].replace('"', "") for o in extra)
+            rows.append({"workers": world, "name": f"{label} ({settings})" if settings else label,
                          "wire_per_step": per_step["wire"], "payload_per_step": per_step["bytes"],
                          "less_than_ddp": ddp_wire / per_step["wire"]})
     return {"machine": machine(), "preset": preset, "rank": rank, "sync_every": sync_every, "rows": rows}

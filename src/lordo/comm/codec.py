@@ -11,20 +11,30 @@
 
 Error feedback (``residuals``, per worker, and ``shard_residuals``, per shard owner): what each of the two
 encodings lost is added to the next round's input, so over rounds nothing is lost (tests/test_compress.py).
-``sync_codecs(compress)`` names the codec of each payload for ``strategy.compress`` = none | bf16 | int8 | int4.
+``sync_codecs(compress)`` names the codec of each payload for ``strategy.compress`` = none | bf16 | int8 | int4,
+and for ``sparse`` (``comm.sparse``: chunk-wise top-k, all-gathered) and ``basis`` (``comm.basis_codec``:
+coefficients in LoRDO's shared basis plus a sparse residual), whose settings are a ``SparseSettings``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .base import Communicator, TensorLists
 from .compress import dequantize_int8_rows, dequantize_log_int8_rows, quantize_int8_rows, quantize_log_int8_rows
+from .sparse import SparseCodec, average_sparse
 
-COMPRESSIONS = ("none", "bf16", "int8", "int4")
+if TYPE_CHECKING:
+    from .basis_codec import SparseSettings
+
+COMPRESSIONS = ("none", "bf16", "int8", "int4")  # dense codecs
+ALL_COMPRESSIONS = (*COMPRESSIONS, "sparse", "basis")
+
+AnyCodec = Any  # Codec | BlockCodec | SparseCodec | basis_codec.BasisCodec (which runs an exchange of its own)
 
 
 class Codec:
@@ -95,9 +105,18 @@ class BlockCodec:
         return (q * meta[:, None]).reshape(-1)
 
 
-def sync_codecs(compress: str) -> dict[str, Codec | BlockCodec]:
+def sync_codecs(compress: str, settings: SparseSettings | None = None) -> dict[str, AnyCodec]:
     """The codec of each payload of a synchronisation: ``pseudo_gradient``, ``exp_avg``, ``exp_avg_sq``
-    (moments stay at 8 bits under int4: they are small, and second moments need the log domain)."""
+    (moments stay at 8 bits under int4: they are small, and second moments need the log domain; under sparse
+    and basis they travel as ``settings.dense`` says)."""
+    if compress in ("sparse", "basis"):
+        from .basis_codec import BasisCodec, SparseSettings
+
+        settings = settings or SparseSettings()
+        codecs = sync_codecs(settings.dense)
+        codecs["pseudo_gradient"] = (SparseCodec(settings.density, settings.bits) if compress == "sparse"
+                                     else BasisCodec(settings))
+        return codecs
     if compress == "none":
         return dict.fromkeys(("pseudo_gradient", "exp_avg", "exp_avg_sq"), Codec())
     if compress == "bf16":
@@ -105,7 +124,7 @@ def sync_codecs(compress: str) -> dict[str, Codec | BlockCodec]:
     if compress in ("int8", "int4"):
         return {"pseudo_gradient": BlockCodec(bits=int(compress[3:]), block=256 if compress == "int8" else 128),
                 "exp_avg": BlockCodec(bits=8), "exp_avg_sq": BlockCodec(log=True)}
-    raise ValueError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
+    raise ValueError(f"compress must be one of {', '.join(ALL_COMPRESSIONS)}, got {compress!r}")
 
 
 def padded_numel(shapes_or_numels: Sequence, codec: BlockCodec) -> int:
@@ -122,7 +141,7 @@ def shard_numel(padded: int, world: int, codec: BlockCodec) -> int:
 
 
 @torch.no_grad()
-def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: Codec | BlockCodec,
+def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: AnyCodec,
             residuals: Sequence[Sequence[torch.Tensor]] | None = None,
             shard_residuals: Sequence[torch.Tensor] | None = None) -> None:
     """Replace every hosted worker's tensors, in place, by their mean over all workers, sent through ``codec``
@@ -130,6 +149,12 @@ def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: Codec 
     ``shard_residuals`` (per hosted worker, :func:`shard_numel` elements; block codecs only): error feedback
     of what encoding lost, added to the next round's input. With one worker nothing is sent or lost."""
     if comm.world_size == 1:
+        return
+    if isinstance(codec, SparseCodec):
+        average_sparse(comm, per_worker, f"{tag}_{codec.name}", codec, residuals)
+        return
+    if hasattr(codec, "average"):  # a codec with an exchange of its own
+        codec.average(comm, per_worker, tag, residuals)
         return
     if isinstance(codec, BlockCodec):
         _sharded_average(comm, per_worker, f"{tag}_{codec.name}", codec, residuals, shard_residuals)

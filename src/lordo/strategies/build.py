@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
+from ..comm.basis_codec import SparseSettings
 from ..config import DEFAULT_LR, Config, OptimConfig, StrategyConfig
 from ..errors import ConfigError
 from ..model.params import ParamGroup
@@ -156,6 +157,7 @@ def _local_options(cfg: Config, default_average: str) -> dict:
     s = cfg.strategy
     return dict(
         sync_every=s.sync_every, outer_optimizer=outer_optimizer(s), compress=s.compress,
+        compress_settings=SparseSettings(s.compress_dense, s.compress_density, s.compress_bits, s.compress_fullrank),
         compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip, sync_buffers=s.sync_buffers,
         offload_anchor=s.offload_anchor, sync_delay=s.sync_delay,
         average_moments=default_average if s.average_moments == "auto" else s.average_moments,

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..comm.codec import COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
+from ..comm.basis_codec import SparseSettings
+from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
 from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
@@ -42,8 +43,10 @@ class LocalUpdateStrategy(Strategy):
     ``outer_optimizer``: builds the outer optimizer over the anchor tensors (default :func:`model_averaging`;
     e.g. ``lambda a: torch.optim.SGD(a, lr=0.7, momentum=0.9, nesterov=True)`` for DiLoCo).
     ``average_moments``: none | all (every parameter's ``exp_avg``/``exp_avg_sq``); ``moment_periods``: steps
-    between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 | int4 payloads, with
-    ``compression_feedback`` keeping what compressing the pseudo-gradient lost for the next round.
+    between averages of each (0 = at every sync). ``compress``: none | bf16 | int8 | int4 payloads, sparse
+    (chunk-wise top-k) or basis (coefficients in a shared basis plus a sparse residual: LoRDO's global variants),
+    the last two as ``compress_settings`` says; ``compression_feedback`` keeps what compressing the
+    pseudo-gradient lost for the next round.
     ``offload_anchor``: keep the anchor in host memory (pinned when a GPU is present), copied to the device one
     tensor at a time at each synchronisation: the device holds no full-size copy of the model for it.
     ``sync_delay``: τ in [0, sync_every], the local steps a synchronisation runs behind before it lands
@@ -56,7 +59,8 @@ class LocalUpdateStrategy(Strategy):
     def __init__(self, models: Sequence[nn.Module], comm: Communicator, *, optimizers: Sequence[torch.optim.Optimizer],
                  sync_every: int, outer_optimizer: OuterFactory = model_averaging, average_moments: str = "none",
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
-                 compression_feedback: bool = True, grad_clip: float = 0.5, sync_buffers: bool = True,
+                 compress_settings: SparseSettings | None = None, compression_feedback: bool = True,
+                 grad_clip: float = 0.5, sync_buffers: bool = True,
                  offload_anchor: bool = False, sync_delay: int = 0) -> None:
         super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
@@ -66,8 +70,10 @@ class LocalUpdateStrategy(Strategy):
                               f"one starts), got {sync_delay}")
         if average_moments not in AVERAGED:
             raise ConfigError(f"average_moments must be one of {', '.join(AVERAGED)}, got {average_moments!r}")
-        if compress not in COMPRESSIONS:
-            raise ConfigError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
+        if compress not in ALL_COMPRESSIONS:
+            raise ConfigError(f"compress must be one of {', '.join(ALL_COMPRESSIONS)}, got {compress!r}")
+        if compress in ("sparse", "basis"):
+            self._check_sparse(compress, compress_settings or SparseSettings(), comm)
         self.moment_periods = dict.fromkeys(MOMENTS, 0) | dict(moment_periods or {})
         for key, period in self.moment_periods.items():
             if key not in MOMENTS:
@@ -84,7 +90,7 @@ class LocalUpdateStrategy(Strategy):
             self._check_delay(comm)
         self.sync_every, self.average, self.sync_delay = sync_every, average_moments, sync_delay
         self.in_flight: RoundInFlight | None = None
-        self.codecs = sync_codecs(compress)
+        self.codecs = sync_codecs(compress, compress_settings)
         # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
         # the outer optimizer with the averaged pseudo-gradient as its gradient
         self.anchor = [t.detach().clone() for t in self.workers[0].tensors]
@@ -107,6 +113,23 @@ class LocalUpdateStrategy(Strategy):
                 if isinstance(codec, BlockCodec):
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
+
+    @property
+    def shared_bases(self) -> bool:
+        """Whether every worker holds the same low-rank bases (what ``compress = "basis"`` sends in)."""
+        return False
+
+    def _check_sparse(self, compress: str, settings: SparseSettings, comm: Communicator) -> None:
+        settings.check()
+        if compress == "basis" and not self.shared_bases:
+            raise ConfigError(f"compress = \"basis\" sends coefficients in a basis every worker holds; {self.name!r} "
+                              "has none shared (LoRDO's global variants do): use compress = \"sparse\"")
+        if comm.fault_tolerant:
+            raise ConfigError(f"strategy.compress = {compress!r} all-gathers sparse payloads; a fault-tolerant backend "
+                              "(torchft) only averages: use none or bf16")
+        if getattr(comm, "ranks_per_worker", 1) > 1:
+            raise ConfigError(f"strategy.compress = {compress!r} encodes whole tensors; a worker of several ranks "
+                              "exchanges shards: use none, bf16, int8 or int4")
 
     def _check_delay(self, comm: Communicator) -> None:
         if comm.fault_tolerant:

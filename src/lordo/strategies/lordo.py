@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
+from ..comm.basis_codec import BasisCodec
 from ..comm.codec import average
 from ..errors import ConfigError
 from ..optim import LowRankQHAdam
+from ..optim.subspace import side_of
 from .basis import BasisPolicy, GlobalBasis, error_feedback_ratio, residual_energy
 from .local_adam import LocalUpdateStrategy
 
@@ -60,10 +62,10 @@ class LoRDOStrategy(LocalUpdateStrategy):
                 raise ConfigError("strategy.average_error_feedback is not supported on a fault-tolerant backend "
                                   "(torchft): a worker that joins has no error feedback to average")
         self.average_error_feedback = average_error_feedback
-        super().__init__(models, comm, optimizers=optimizers, sync_every=sync_every, average_moments=average_moments, **options)
         self.basis = basis if basis is not None else GlobalBasis()
         if not isinstance(self.basis, BasisPolicy):
             raise ConfigError(f"basis must be a BasisPolicy (GlobalBasis() or LocalBasis()), got {type(self.basis).__name__}")
+        super().__init__(models, comm, optimizers=optimizers, sync_every=sync_every, average_moments=average_moments, **options)
         for opt in self.optimizers:
             opt.manages_bases = False  # the basis policy changes them at each synchronisation
         lowrank = {id(p) for p, _ in self.optimizer(0).lowrank_params()}
@@ -117,6 +119,27 @@ class LoRDOStrategy(LocalUpdateStrategy):
         super().forget_own_errors()
         for opt in self.optimizers:
             opt.forget_error_feedback()
+
+    @property
+    def shared_bases(self) -> bool:
+        return isinstance(self.basis, GlobalBasis)
+
+    def _bind_bases(self) -> None:
+        """Hand the round's bases to a basis codec: each payload tensor's (P, side), None for full-rank ones."""
+        codec = self.codecs["pseudo_gradient"]
+        if not isinstance(codec, BasisCodec):
+            return
+        state, lowrank = self.optimizer(0).state, set(self.lowrank_index)
+        codec.bases = [(state[p]["basis"], side_of(p.shape)) if i in lowrank and "basis" in state[p] else None
+                       for i, p in enumerate(self.workers[0].params)]
+
+    def synchronise(self) -> dict[str, float]:
+        self._bind_bases()
+        return super().synchronise()
+
+    def send(self) -> None:
+        self._bind_bases()
+        super().send()
 
     def sync_round(self) -> dict[str, float]:
         if self.average_error_feedback:

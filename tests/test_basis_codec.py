@@ -1,0 +1,200 @@
+"""Sparse payloads (chunk-wise top-k, packed indices, a few bits a value) and LoRDO's round sent in the shared
+basis (coefficients plus a sparse residual), each against an independent computation: top-k and grid by hand,
+float64 means, and error feedback that delivers everything over rounds while the bases change."""
+
+import math
+
+import pytest
+import torch
+
+from lordo.comm import SimCommunicator
+from lordo.comm.basis_codec import BasisCodec, SparseSettings
+from lordo.comm.codec import BlockCodec, sync_codecs
+from lordo.comm.sparse import CHUNK, SparseCodec, average_sparse, pack_bits, unpack_bits
+from lordo.errors import ConfigError
+from lordo.optim.subspace import Side
+
+from harness import assert_simulator_equals_gloo, run_strategy, strategy_config
+
+
+def test_bits_are_packed_little_endian_as_written_out_by_hand():
+    # 1 -> bits 1,0; 2 -> 0,1; 3 -> 1,1; then two zero bits: 0b00111001 = 57
+    assert pack_bits(torch.tensor([1, 2, 3]), 2).tolist() == [57]
+    codes = torch.randint(0, 2**14, (333,))
+    assert torch.equal(unpack_bits(pack_bits(codes, 14), 14, 333), codes)
+    assert pack_bits(codes, 14).numel() == math.ceil(333 * 14 / 8)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_sparse_codec_sends_each_chunks_largest_rounded_to_its_grid(bits):
+    torch.manual_seed(0)
+    n, density = 2 * CHUNK + 1000, 0.01  # two whole chunks and a partial one
+    x = torch.randn(n, dtype=torch.float64)
+    codec = SparseCodec(density, bits)
+    buf = codec.encode(x.float())
+    assert buf.dtype == torch.uint8 and buf.numel() == codec.nbytes(n)
+    y = codec.decode(buf, n).double()
+    k, levels = round(density * CHUNK), 2**bits
+    for start in range(0, n, CHUNK):
+        chunk, got = x[start:start + CHUNK], y[start:start + CHUNK]
+        order = sorted(range(chunk.numel()), key=lambda i: -abs(float(chunk[i])))
+        kept = sorted(order[:k])
+        assert got.nonzero().reshape(-1).tolist() == kept  # the k largest magnitudes, nothing else
+        step = 2 * float(chunk[kept].abs().max()) / (levels - 1)  # grid spacing: outermost levels at +-max
+        assert float((got[kept] - chunk[kept]).abs().max()) <= step / 2 + 1e-6
+    assert float((y - x).abs().max()) > 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_error_feedback_delivers_everything_over_rounds(world):
+    """What was delivered plus what every worker still holds is the exact mean of everything sent."""
+    comm, codec = SimCommunicator(world), SparseCodec(0.02, 2)
+    torch.manual_seed(3)
+    shapes = [(40, 30), (30,), (20, 50)]
+    residuals = [[torch.zeros(s) for s in shapes] for _ in range(world)]
+    delivered, exact = torch.zeros(2230, dtype=torch.float64), torch.zeros(2230, dtype=torch.float64)
+    for _ in range(6):
+        inputs = [[torch.randn(s) for s in shapes] for _ in range(world)]
+        exact += sum(torch.cat([t.reshape(-1) for t in w]).double() for w in inputs) / world
+        average_sparse(comm, inputs, "x", codec, residuals)
+        for w in range(1, world):
+            assert all(torch.equal(a, b) for a, b in zip(inputs[w], inputs[0]))
+        delivered += torch.cat([t.reshape(-1) for t in inputs[0]]).double()
+    held = sum(torch.cat([e.reshape(-1) for e in r]).double() for r in residuals) / world
+    torch.testing.assert_close(delivered + held, exact, rtol=1e-5, atol=1e-5)
+    assert float((delivered - exact).abs().max()) > 0.1  # 2 % density loses a lot each round
+    assert comm.ledger.table()["all_gather:x"]["wire"] == 6 * (world - 1) * codec.nbytes(2230)
+
+
+SHAPES = [(12, 8), (6, 10), (7,), (9, 4)]  # right side, left side, full-rank, right side
+RANK = 3
+
+
+def random_bases(generator=None):
+    out = []
+    for shape in SHAPES:
+        if len(shape) == 1:
+            out.append(None)
+            continue
+        side = Side.RIGHT if shape[0] >= shape[1] else Side.LEFT
+        q = shape[1] if side == Side.RIGHT else shape[0]
+        basis, _ = torch.linalg.qr(torch.randn(q, RANK, generator=generator))
+        out.append((basis.contiguous(), side))
+    return out
+
+
+def in_span(entry, shape):
+    basis, side = entry
+    if side == Side.RIGHT:
+        return torch.randn(shape[0], RANK) @ basis.T
+    return basis @ torch.randn(RANK, shape[1])
+
+
+@pytest.mark.parametrize("fullrank", ["sparse", "dense"])
+def test_an_in_span_round_arrives_exactly_and_costs_coefficient_bytes(fullrank):
+    """Δ_m in span(P) (full-rank tensors: zero when sparse): the coefficients carry all of it, the mean is the
+    float64 mean to float rounding, and the coefficients all-reduced are r/q of each matrix."""
+    world = 3
+    comm = SimCommunicator(world)
+    torch.manual_seed(4)
+    codec = BasisCodec(SparseSettings(dense="none", density=0.05, bits=2, fullrank=fullrank))
+    codec.bases = random_bases()
+    inputs = []
+    for _ in range(world):
+        tensors = []
+        for shape, entry in zip(SHAPES, codec.bases):
+            full = torch.randn(shape) if fullrank == "dense" else torch.zeros(shape)
+            tensors.append(full if entry is None else in_span(entry, shape))
+        inputs.append(tensors)
+    exact = [sum(w[i].double() for w in inputs) / world for i in range(len(SHAPES))]
+    codec.average(comm, inputs, "pseudo_gradient")
+    for got, want in zip(inputs[0], exact):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    coefficients = sum(RANK * (s[0] if s[0] >= s[1] else s[1]) for s in SHAPES if len(s) == 2)
+    dense = coefficients + (7 if fullrank == "dense" else 0)
+    assert comm.ledger.table()["all_reduce:pseudo_gradient_coefficients"]["bytes"] == 4 * dense
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4", "none"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_basis_error_feedback_delivers_everything_while_the_bases_change(dense, world):
+    """Full Δ_m (mostly outside the span), a new basis every round, lossy coefficients and a 2-bit residual:
+    delivered + what the workers hold (each its own losses; a shard owner also M times its re-encoding loss)
+    = the exact sum of the means. ``residuals`` are full-size, so they outlive each basis change. (bf16
+    coefficients are summed in bf16 on the wire, as compress = bf16's payloads are: that rounding is not fed
+    back.)"""
+    comm = SimCommunicator(world)
+    torch.manual_seed(6)
+    codec = BasisCodec(SparseSettings(dense=dense, density=0.1, bits=2))
+    residuals = [[torch.zeros(s) for s in SHAPES] for _ in range(world)]
+    size = sum(math.prod(s) for s in SHAPES)
+    delivered, exact = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
+    for _ in range(5):
+        codec.bases = random_bases()
+        inputs = [[torch.randn(s) for s in SHAPES] for _ in range(world)]
+        exact += sum(torch.cat([t.reshape(-1) for t in w]).double() for w in inputs) / world
+        codec.average(comm, inputs, "pseudo_gradient", residuals)
+        for w in range(1, world):
+            assert all(torch.equal(a, b) for a, b in zip(inputs[w], inputs[0]))
+        delivered += torch.cat([t.reshape(-1) for t in inputs[0]]).double()
+    held = sum(torch.cat([e.reshape(-1) for e in r]).double() for r in residuals) / world
+    torch.testing.assert_close(delivered + held, exact, rtol=1e-4, atol=1e-4)
+    assert float((delivered - exact).abs().max()) > 0.1
+    table = comm.ledger.table()
+    kind = "all_reduce:pseudo_gradient_coefficients" if dense == "none" else f"all_gather:pseudo_gradient_coefficients_{dense}"
+    assert kind in table
+    assert "all_gather:pseudo_gradient_residual_sparse2" in table
+
+
+def test_the_codecs_of_each_payload_follow_the_settings():
+    codecs = sync_codecs("basis", SparseSettings(dense="int4", density=0.03, bits=4))
+    assert isinstance(codecs["pseudo_gradient"], BasisCodec)
+    assert isinstance(codecs["exp_avg"], BlockCodec) and codecs["exp_avg"].bits == 8
+    assert codecs["exp_avg_sq"].log
+    sparse = sync_codecs("sparse", SparseSettings(dense="bf16", density=0.03, bits=4))
+    assert isinstance(sparse["pseudo_gradient"], SparseCodec) and sparse["pseudo_gradient"].k == round(0.03 * CHUNK)
+    assert sparse["exp_avg"].name == "bf16"
+
+
+def tiny(name, compress, *extra):
+    return strategy_config(name, ["strategy.sync_every=4", "strategy.rank=4", f'strategy.compress="{compress}"', *extra])
+
+
+def test_lordo_in_its_basis_trains_like_uncompressed_lordo_for_far_fewer_bytes():
+    """At density 1 with 8-bit residuals and fp32 coefficients the round is nearly lossless: the trajectory
+    follows uncompressed lordo; at the defaults (int8, 1/64, 2 bits) it sends a fraction of int8's bytes."""
+    reference, ref_ledger = run_strategy(SimCommunicator(2), strategy_config(
+        "lordo", ["strategy.sync_every=4", "strategy.rank=4"]), 8)
+    near, _ = run_strategy(SimCommunicator(2), tiny("lordo", "basis", 'strategy.compress_dense="none"',
+                                                    "strategy.compress_density=1.0", "strategy.compress_bits=8"), 8)
+    for a, b in zip(near, reference):
+        torch.testing.assert_close(a, b, rtol=0.02, atol=2e-3)
+    _, ledger = run_strategy(SimCommunicator(2), tiny("lordo", "basis"), 8)
+    _, int8 = run_strategy(SimCommunicator(2), tiny("lordo", "int8"), 8)
+
+    def pseudo(table):
+        return sum(v["wire"] for k, v in table.items() if "pseudo_gradient" in k)
+    assert pseudo(ledger) < 0.5 * pseudo(int8) < pseudo(ref_ledger)
+
+
+@pytest.mark.parametrize("name, compress", [("lordo", "basis"), ("local-adam", "sparse")])
+def test_sparse_and_basis_rounds_on_gloo_equal_the_simulator(name, compress):
+    assert_simulator_equals_gloo(name, ["strategy.sync_every=4", "strategy.rank=4", f'strategy.compress="{compress}"'])
+
+
+def test_a_basis_round_behind_the_steps_on_gloo_equals_the_simulator():
+    assert_simulator_equals_gloo("lordo", ["strategy.sync_every=4", "strategy.rank=4", 'strategy.compress="basis"',
+                                           "strategy.sync_delay=2"], steps=10)
+
+
+def test_bad_sparse_settings_are_refused_by_name():
+    with pytest.raises(ConfigError, match="needs lordo or lordo-global-noqh \\('lordo-local' has its own bases"):
+        tiny("lordo-local", "basis")
+    with pytest.raises(ConfigError, match="\\('local-adam' has no bases\\); use compress = \"sparse\""):
+        tiny("local-adam", "basis")
+    with pytest.raises(ConfigError, match=r"strategy.compress_density must be in \(0, 1\], got 0"):
+        tiny("lordo", "basis", "strategy.compress_density=0.0")
+    with pytest.raises(ConfigError, match="strategy.compress_bits must be one of 2, 4, 8, got 3"):
+        tiny("lordo", "sparse", "strategy.compress_bits=3")
+    with pytest.raises(ConfigError, match="only averages"):
+        strategy_config("lordo", ['strategy.compress="sparse"', 'dist.backend="torchft"'])
