@@ -275,8 +275,8 @@ class StrategyConfig(_Section):
                                  "sent (its largest magnitudes), in (0, 1]", _fraction)
     compress_bits: int = _f(2, "compress = sparse or basis: bits per sent value (2, 4 or 8; indices take 12)",
                             _choice(2, 4, 8))
-    compress_fullrank: str = _f("sparse", "compress = basis: full-rank tensors (embedding, norms) through the sparse "
-                                "codec or dense, with the coefficients", _choice("sparse", "dense"))
+    compress_fullrank: str = _f("dense", "compress = basis: full-rank tensors (embedding, norms) dense, with the "
+                                "coefficients, or through the sparse codec", _choice("dense", "sparse"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
     error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "

@@ -104,8 +104,9 @@ WIRE_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lordo", "bf16", ()), ("lordo", "int8", ()), ("lordo", "int4", ()),
     ("local-adam", "sparse", ()), ("lordo", "sparse", ()), ("lordo", "basis", ()),
     ("lordo", "basis", ('strategy.compress_dense="int4"',)),
-    ("lordo", "basis", ('strategy.compress_dense="int4"', "strategy.compress_density=0.0078125")),
-    ("lordo", "basis", ('strategy.compress_fullrank="dense"',)),
+    ("lordo", "basis", ("strategy.compress_density=0.125",)),
+    ("lordo", "basis", ('strategy.compress_fullrank="sparse"',)),
+    ("lordo", "basis", ('strategy.compress_fullrank="sparse"', 'strategy.compress_dense="int4"')),
 )
 PER_STEP_TAGS = ("gradient", "projected_gradient")  # sent every step; everything else once per sync period
 

@@ -9,7 +9,7 @@ low-rank matrix's Δ_m (plus what earlier rounds did not deliver, E_m) splits ex
 with C_m r/q of the matrix's size and R_m = A_m − back(C_m) orthogonal to span(P). The coefficients travel
 dense through ``settings.dense`` (fp32, bf16: all-reduce; int8, int4: the quantised reduce-scatter and
 all-gather), the residuals through the sparse codec (``comm.sparse``: chunk-wise top-k, all-gather). Full-rank
-tensors (embedding, norms) go sparse too, or dense with the coefficients (``settings.fullrank``). The mean is
+tensors (embedding, norms) go dense with the coefficients, or sparse too (``settings.fullrank``). The mean is
 
     Δ̄ = back(C̄) + R̄,   C̄ = mean of the decoded C_m,   R̄ = mean of the decoded R_m,
 
@@ -31,7 +31,7 @@ from .base import Communicator, TensorLists
 from .codec import COMPRESSIONS, BlockCodec, Codec, _scatter_into, average, padded_numel, shard_numel, sync_codecs
 from .sparse import VALUE_BITS, SparseCodec, average_sparse
 
-FULLRANK = ("sparse", "dense")
+FULLRANK = ("dense", "sparse")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class SparseSettings:
     dense: str = "int8"
     density: float = 1 / 64
     bits: int = 2
-    fullrank: str = "sparse"
+    fullrank: str = "dense"
 
     def check(self) -> None:
         from ..errors import ConfigError

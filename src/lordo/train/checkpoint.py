@@ -348,7 +348,7 @@ ADDED_FIELDS = {
     ("strategy", "compress_dense"): "int8",
     ("strategy", "compress_density"): 1 / 64,
     ("strategy", "compress_bits"): 2,
-    ("strategy", "compress_fullrank"): "sparse",
+    ("strategy", "compress_fullrank"): "dense",
 }
 
 
