@@ -250,7 +250,7 @@ def test_keyword_arguments_are_checked():
     opts = [torch.optim.AdamW(models[0].parameters())]
     with pytest.raises(ConfigError, match="sync_every must be an integer >= 1, got 0"):
         LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=0)
-    with pytest.raises(ConfigError, match="compress must be one of none, bf16, int8, int4, got 'fp4'"):
+    with pytest.raises(ConfigError, match="compress must be one of none, bf16, int8, int4, sparse, basis, got 'fp4'"):
         LocalUpdateStrategy(models, SimCommunicator(1), optimizers=opts, sync_every=2, compress="fp4")
     partial = [torch.optim.AdamW(list(models[0].parameters())[1:])]
     with pytest.raises(ConfigError, match="does not hold the trainable parameter.*tok_emb.weight"):
