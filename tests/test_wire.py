@@ -19,9 +19,8 @@ def written() -> int:
 
 
 def wire_worker(n: int):
-    from lordo.comm.torch_dist import TorchDistCommunicator
-
     from lordo.comm.sparse import SparseCodec
+    from lordo.comm.torch_dist import TorchDistCommunicator
 
     comm = TorchDistCommunicator("gloo", timeout_s=60)
     world = comm.world_size

@@ -3,7 +3,8 @@ all-gather.
 
 A flat float vector is cut into chunks of ``CHUNK`` = 4096 elements (the last one padded with zeros). Of each
 chunk the k = max(1, round(density·4096)) elements of largest magnitude are kept: each travels as its index in
-the chunk (12 bits) and a ``bits``-bit code of its value, packed together; each chunk adds one float32 scale (the buffer: the scales, then the packed codes).
+the chunk (12 bits) and a ``bits``-bit code of its value, packed together; each chunk adds one float32 scale
+(a buffer holds the scales, then the packed codes).
 A code c in [0, L) with L = 2^bits stands for (c − (L−1)/2)·s, s = 2·max|kept| / (L − 1): a symmetric uniform
 grid whose outermost levels are ±max|kept| (2 bits: ±max and ±max/3). Every buffer of a vector of n elements
 has the same size (``nbytes``), so the workers all-gather them; each decodes the M copies and averages them in
