@@ -74,9 +74,8 @@ def rewind(src, dst, keep_step):
 
 @pytest.mark.parametrize("strategy, extra", [("ddp", ()), ("local-adam", ()), ("lordo", ()),
                                              ("lordo", ("strategy.sync_delay=3",)),  # step 10: the round of 8 in flight
-                                             ("lordo", ('optim.inner="muon"',)),  # MuonAdamW's resume: test_muon.py
-                                             ("lordo", ('strategy.compress="basis"',))],  # residual state resumed
-                         ids=["ddp", "local-adam", "lordo", "lordo-delayed", "lordo-muon", "lordo-basis"])
+                                             ("lordo", ('optim.inner="muon"',))],  # MuonAdamW's resume: test_muon.py
+                         ids=["ddp", "local-adam", "lordo", "lordo-delayed", "lordo-muon"])
 def test_resume_between_syncs_equals_uninterrupted_bitwise(data_dir, tmp_path, strategy, extra):
     cfg = cfg_for(data_dir, strategy, extra=extra)
     full = tmp_path / "full"
