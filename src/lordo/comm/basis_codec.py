@@ -79,8 +79,9 @@ class BasisCodec:
         self.bases: list[tuple[torch.Tensor, Side] | None] = []
 
     def split(self, a: torch.Tensor, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(what travels dense, what travels sparse) of tensor ``i``'s input ``a``."""
-        entry = self.bases[i]
+        """(what travels dense, what travels sparse) of tensor ``i``'s input ``a``, in float32 (bf16 weights
+        give bf16 pseudo-gradients; the bases are float32)."""
+        entry, a = self.bases[i], a.float()
         if entry is None:
             return (a, None) if self.settings.fullrank == "dense" else (None, a)
         c = project(a, *entry)
