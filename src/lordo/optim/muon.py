@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from . import feedback
-from .lowrank import rotate_moments
 from .optimizer import LowRankQHAdam
 from .sharded import is_sharded
 from .state import Lists
@@ -121,9 +120,12 @@ class LowRankMuon(LowRankQHAdam):
                 group["betas"] = (self.muon.momentum, group["betas"][1])
 
     def _rotate(self, state: dict, group: dict, new: torch.Tensor, side: Side) -> None:
-        """M into the new basis (the first moment's rotation; there is no second moment)."""
-        unused = torch.zeros_like(state["exp_avg"])
-        rotate_moments(state["exp_avg"], unused, state["basis"], new, side, int(state["step"]), *group["betas"])
+        """M into the new basis, C = P_newᵀ·P_old on the reduced axis (M·Cᵀ, or C·M on the left side): the first
+        moment's rotation; there is no second moment. In float32 whatever M's dtype, rounded once."""
+        m = state["exp_avg"]
+        work = torch.promote_types(m.dtype, torch.float32)
+        c = new.to(work).T @ state["basis"].to(work)
+        m.copy_(m.to(work) @ c.T if side == Side.RIGHT else c @ m.to(work))
 
     def _apply_each(self, group: dict, lists: Lists, gs: list[torch.Tensor]) -> None:
         mu, lr, omega = group["betas"][0], float(group["lr"]), group["omega"]
