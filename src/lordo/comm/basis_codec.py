@@ -58,6 +58,22 @@ class SparseSettings:
             raise ConfigError(f"strategy.compress_fullrank must be one of {', '.join(FULLRANK)}, got {self.fullrank!r}")
 
 
+def check_sparse(compress: str, settings: SparseSettings, comm: Communicator, strategy: str, shared_bases: bool) -> None:
+    """Refuse ``compress`` = sparse / basis where it cannot work, naming why."""
+    from ..errors import ConfigError
+
+    settings.check()
+    if compress == "basis" and not shared_bases:
+        raise ConfigError(f"compress = \"basis\" sends coefficients in a basis every worker holds; {strategy!r} has "
+                          "none shared (LoRDO's global variants do): use compress = \"sparse\"")
+    if comm.fault_tolerant:
+        raise ConfigError(f"strategy.compress = {compress!r} all-gathers sparse payloads; a fault-tolerant backend "
+                          "(torchft) only averages: use none or bf16")
+    if getattr(comm, "ranks_per_worker", 1) > 1:
+        raise ConfigError(f"strategy.compress = {compress!r} encodes whole tensors; a worker of several ranks "
+                          "exchanges shards: use none, bf16, int8 or int4")
+
+
 def project(a: torch.Tensor, basis: torch.Tensor, side: Side) -> torch.Tensor:
     return a @ basis if side == Side.RIGHT else basis.T @ a
 

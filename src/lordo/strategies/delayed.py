@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..comm.base import RoundHandle
+from ..comm.base import Communicator, RoundHandle
+from ..errors import ConfigError
 
 Lists = list[list[torch.Tensor]]  # per hosted worker, per tensor
 
@@ -62,3 +63,17 @@ class RoundInFlight:
         inputs = [s["basis_input"] for s in saved]
         return cls(sent_at, [list(s["own"]) for s in saved], [list(s["mean"]) for s in saved], moments,
                    None if inputs[0] is None else [list(i) for i in inputs])
+
+
+def check_delay(comm: Communicator, moment_periods: dict[str, int]) -> None:
+    """Refuse ``sync_delay`` > 0 where a round cannot run behind the steps, naming why."""
+    if comm.fault_tolerant:
+        raise ConfigError("strategy.sync_delay > 0 runs a synchronisation behind the next steps; a fault-tolerant "
+                          "backend (torchft) runs each as a round that can fail and be retried: use sync_delay = 0")
+    if not comm.overlaps_rounds:
+        raise ConfigError("strategy.sync_delay > 0 needs one process per worker (backend gloo or nccl) or the "
+                          "simulator; workers made of several ranks (dist.ranks_per_worker > 1) synchronise "
+                          "blocking: use sync_delay = 0")
+    if any(moment_periods.values()):
+        raise ConfigError("strategy.sync_delay > 0 cannot be combined with sync_exp_avg_every / "
+                          "sync_exp_avg_sq_every (moments averaged between synchronisations): leave them at 0")

@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from ..comm import Communicator
-from ..comm.basis_codec import SparseSettings
+from ..comm.basis_codec import SparseSettings, check_sparse
 from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
 from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
-from .delayed import RoundInFlight
+from .delayed import RoundInFlight, check_delay
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 AVERAGED = ("none", "lowrank", "all")
@@ -73,7 +73,7 @@ class LocalUpdateStrategy(Strategy):
         if compress not in ALL_COMPRESSIONS:
             raise ConfigError(f"compress must be one of {', '.join(ALL_COMPRESSIONS)}, got {compress!r}")
         if compress in ("sparse", "basis"):
-            self._check_sparse(compress, compress_settings or SparseSettings(), comm)
+            check_sparse(compress, compress_settings or SparseSettings(), comm, self.name, self.shared_bases)
         self.moment_periods = dict.fromkeys(MOMENTS, 0) | dict(moment_periods or {})
         for key, period in self.moment_periods.items():
             if key not in MOMENTS:
@@ -87,7 +87,7 @@ class LocalUpdateStrategy(Strategy):
             raise ConfigError(f"strategy.compress = {compress!r} gathers quantised shards; a fault-tolerant backend "
                               "(torchft) only averages: use none or bf16")
         if sync_delay:
-            self._check_delay(comm)
+            check_delay(comm, self.moment_periods)
         self.sync_every, self.average, self.sync_delay = sync_every, average_moments, sync_delay
         self.in_flight: RoundInFlight | None = None
         self.codecs = sync_codecs(compress, compress_settings)
@@ -118,30 +118,6 @@ class LocalUpdateStrategy(Strategy):
     def shared_bases(self) -> bool:
         """Whether every worker holds the same low-rank bases (what ``compress = "basis"`` sends in)."""
         return False
-
-    def _check_sparse(self, compress: str, settings: SparseSettings, comm: Communicator) -> None:
-        settings.check()
-        if compress == "basis" and not self.shared_bases:
-            raise ConfigError(f"compress = \"basis\" sends coefficients in a basis every worker holds; {self.name!r} "
-                              "has none shared (LoRDO's global variants do): use compress = \"sparse\"")
-        if comm.fault_tolerant:
-            raise ConfigError(f"strategy.compress = {compress!r} all-gathers sparse payloads; a fault-tolerant backend "
-                              "(torchft) only averages: use none or bf16")
-        if getattr(comm, "ranks_per_worker", 1) > 1:
-            raise ConfigError(f"strategy.compress = {compress!r} encodes whole tensors; a worker of several ranks "
-                              "exchanges shards: use none, bf16, int8 or int4")
-
-    def _check_delay(self, comm: Communicator) -> None:
-        if comm.fault_tolerant:
-            raise ConfigError("strategy.sync_delay > 0 runs a synchronisation behind the next steps; a fault-tolerant "
-                              "backend (torchft) runs each as a round that can fail and be retried: use sync_delay = 0")
-        if not comm.overlaps_rounds:
-            raise ConfigError("strategy.sync_delay > 0 needs one process per worker (backend gloo or nccl) or the "
-                              "simulator; workers made of several ranks (dist.ranks_per_worker > 1) synchronise "
-                              "blocking: use sync_delay = 0")
-        if any(self.moment_periods.values()):
-            raise ConfigError("strategy.sync_delay > 0 cannot be combined with sync_exp_avg_every / "
-                              "sync_exp_avg_sq_every (moments averaged between synchronisations): leave them at 0")
 
     def averaged_params(self, worker: int) -> list[torch.Tensor]:
         """Parameters whose optimizer moments are averaged."""
