@@ -357,8 +357,9 @@ def with_added_fields(saved: dict) -> dict:
     value that behaves as lordo did before it (``ADDED_FIELDS``): what ``lordo train --resume`` continues."""
     out = {section: dict(body) if isinstance(body, dict) else body for section, body in saved.items()}
     for (section, key), value in ADDED_FIELDS.items():
-        if isinstance(out.get(section), dict):
-            out[section].setdefault(key, value)
+        body = out.setdefault(section, {})
+        if isinstance(body, dict):
+            body.setdefault(key, value)
     return out
 
 
@@ -387,12 +388,12 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     """Fields (section.key: saved → current) that differ and may not change on resume. A field the saved
     config lacks because it was added later counts as the value that behaves as before (``ADDED_FIELDS``)."""
     out = []
-    saved, current = _resolved_auto(saved), _resolved_auto(current)
+    saved, current = _resolved_auto(with_added_fields(saved)), _resolved_auto(current)
     for section, body in current.items():
         if section == "derived" or not isinstance(body, dict):
             continue
         for key, value in body.items():
-            old = saved.get(section, {}).get(key, ADDED_FIELDS.get((section, key), "<missing>"))
+            old = saved.get(section, {}).get(key, "<missing>")
             if old != value and (section, key) not in RESUMABLE_CHANGES:
                 out.append(f"{section}.{key}: {old!r} in the checkpoint, {value!r} now")
     return out
