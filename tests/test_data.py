@@ -131,3 +131,42 @@ def test_a_token_file_that_shrinks_while_training_is_named_not_a_sigbus(tmp_path
     path.unlink()
     with pytest.raises(DataError, match=r"train.bin is gone while training"):
         sampler.next()
+
+
+def test_runs_that_start_together_prepare_the_corpus_once_and_both_use_it(tmp_path, monkeypatch):
+    """A sweep's jobs start at once on a fresh data folder: each saw no manifest and built into the same
+    temporary folder, and one failed (val.bin missing). Now the second waits for the first and reuses its build."""
+    import threading
+    import time
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 5000), ("val", 500)):
+        rng.integers(0, 400, n).astype(np.uint16).tofile(tokens / f"{split}.bin")
+    spec = prepare.CorpusSpec(tokens=str(tokens), vocab_size=512)
+    builds, original = [], prepare.prepare_tokens
+
+    def slow_build(*args, **kwargs):
+        builds.append(threading.get_ident())
+        time.sleep(0.3)  # both runs are past their first look at the manifest while this one builds
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prepare, "prepare_tokens", slow_build)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(prepare.ensure(tmp_path / "data", 512, 0.05, log=lambda _: None, spec=spec))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(results) == 2
+    assert len(builds) == 1
+    assert results[0].root == results[1].root and np.array_equal(results[0].train, results[1].train)
+    assert np.array_equal(np.asarray(results[0].val), np.fromfile(tokens / "val.bin", dtype=np.uint16))

@@ -3,9 +3,11 @@ crash leaves the old file or the whole new one, and read so that a damaged one i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,25 @@ def atomic_write(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def waiting_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``fcntl`` lock on the file ``path`` (created if missing), waiting for whoever holds it:
+    two processes building one thing (a prepared corpus) take turns, and the second finds the first's result.
+    The kernel drops the lock when its holder dies, so it is never stale. No lock where ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def write_json(path: Path, value: Any) -> None:

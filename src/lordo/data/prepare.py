@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..errors import DataError
+from ..files import waiting_lock
 from .corpus import SOURCES, Document, iter_documents, sha256_file
 from .debian import DEB_SOURCES, deb_path, iter_deb_documents
 from .textfiles import fingerprint, iter_text_documents, text_files
@@ -221,9 +222,20 @@ def prepare(
     """Build the prepared dataset of ``spec`` (default: the bundled corpus at ``vocab_size``, overwriting one
     that exists) and return its folder."""
     spec = spec or CorpusSpec(vocab_size=vocab_size, val_fraction=val_fraction)
-    if spec.kind == "tokens":
-        return prepare_tokens(data_dir, spec, log)
-    root = Path(out) if out is not None else corpus_dir(data_dir, spec)
+    root = Path(out) if out is not None and spec.kind != "tokens" else corpus_dir(data_dir, spec)
+    with waiting_lock(_lock_path(root)):  # two builds of one folder take turns
+        return _build_or_index(data_dir, spec, root, log)
+
+
+def _build_or_index(data_dir: str | Path, spec: CorpusSpec, root: Path, log: Callable[[str], None]) -> Path:
+    return prepare_tokens(data_dir, spec, log) if spec.kind == "tokens" else _build(data_dir, spec, root, log)
+
+
+def _lock_path(root: Path) -> Path:
+    return root.with_name(f".{root.name}.lock")
+
+
+def _build(data_dir: str | Path, spec: CorpusSpec, root: Path, log: Callable[[str], None]) -> Path:
     t0 = time.perf_counter()
     docs = _documents(Path(data_dir), spec)
     train_docs, val_docs = split_documents(docs, spec.val_fraction)
@@ -378,6 +390,9 @@ def ensure(data_dir: str | Path, vocab_size: int, val_fraction: float, log: Call
     spec = spec or CorpusSpec(vocab_size=vocab_size, val_fraction=val_fraction)
     root = corpus_dir(data_dir, spec)
     if not (root / "manifest.json").exists():
-        log(f"preparing the corpus once into {root} ...")
-        prepare(data_dir, spec=spec, log=log)
+        # runs started together (a sweep's jobs) take turns: the first builds, the others wait and reuse it
+        with waiting_lock(_lock_path(root)):
+            if not (root / "manifest.json").exists():
+                log(f"preparing the corpus once into {root} ...")
+                _build_or_index(data_dir, spec, root, log)
     return load(root)
