@@ -76,3 +76,43 @@ def test_host_overhead_benchmark_compares_source_trees(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith(f"| {root / 'src'} |")]
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |")
     assert float(rows[1].split("|")[2]) > 0
+
+
+def test_the_frontier_groups_seeds_and_leaves_the_one_time_bytes_out(tmp_path, capsys):
+    """benchmarks/frontier.py: runs that differ only in the seed are one point; bytes per step without the
+    initial broadcast and the initial basis's gradient, against ddp's without its broadcast (hand-set values)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "frontier.py"
+    spec = importlib.util.spec_from_file_location("frontier", path)
+    frontier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(frontier)
+    table = {"broadcast:init": {"calls": 1, "bytes": 100, "wire": 150},
+             "all_reduce:initial_basis_gradient": {"calls": 1, "bytes": 40, "wire": 50},
+             "all_gather:pseudo_gradient_basis": {"calls": 3, "bytes": 600, "wire": 800}}
+    for seed, ppl in ((0, 40.0), (1, 42.0)):
+        run = tmp_path / "sweep" / f"seed-{seed}"
+        run.mkdir(parents=True)
+        config = {"strategy": {"name": "lordo", "compress": "basis", "compress_density": 0.125},
+                  "optim": {"lr": 0.003}, "train": {"seed": seed}}
+        (run / "config.json").write_text(json.dumps(config))
+        (run / "summary.json").write_text(json.dumps({
+            "steps": 10, "workers": 4, "val_ppl": ppl, "comm_by_collective": table,
+            "comm_wire_bytes_total": 1000, "ddp_comm_wire_bytes": 10150}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"strategy": {"name": "ddp"}, "optim": {"lr": 0.006}, "train": {"seed": 0}}))
+    (other / "summary.json").write_text("{}")
+    rows = frontier.points([str(tmp_path / "sweep"), str(other)], ["optim.lr=0.003"])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["point"] == "lordo, lr=0.003, compress=basis, compress_density=0.125"
+    assert row["seeds"] == [0, 1] and row["val_ppl"] == [40.0, 42.0] and row["mean"] == 41.0
+    assert abs(row["std"] - 2 ** 0.5) < 1e-12
+    assert row["steady"] == 80 and row["whole"] == 100  # (1000 - 150 - 50) / 10 and 1000 / 10
+    assert row["x_ddp_steady"] == 12.5 and row["x_ddp_whole"] == 10.15  # (10150 - 150) / 10 / 80, 10150 / 1000
+    frontier.main([str(tmp_path / "sweep"), "--only", "strategy.name=lordo", "--json", str(tmp_path / "rows.json")])
+    assert "| lordo, lr=0.003, compress=basis, compress_density=0.125 | 40.00 / 42.00 | 41.00 ± 1.41 | 80 (100) | 12.5 (10.2) |" \
+        in capsys.readouterr().out
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["steady"] == 80
