@@ -764,8 +764,8 @@ def lordo_groups(model):
 def test_a_state_saved_before_the_redesign_continues_as_that_code_continued_it(batched):
     """tests/data/saved_optimizer.pt was written by the code of commit 0cd4596 (its generator is beside it): the
     state after 3 steps, and the parameters after 3 more with a basis set anew. Loaded by today's code, the run
-    continues to those parameters: bit for bit on the per-matrix path (what the saving run used), to float
-    rounding on the batched one."""
+    continues to those parameters, to float rounding (bit for bit on the per-matrix path on the machine that
+    saved it; another CPU's kernels round differently: an AMD EPYC without AVX-512 differs in the last bits)."""
     import importlib.util
     from pathlib import Path
 
@@ -783,7 +783,4 @@ def test_a_state_saved_before_the_redesign_continues_as_that_code_continued_it(b
     for t in range(3, 7):
         maker.step(m, opt, t)
     for key, value in m.state_dict().items():
-        if batched:
-            torch.testing.assert_close(value, saved["after"][key], rtol=1e-6, atol=1e-7)
-        else:
-            assert torch.equal(value, saved["after"][key]), key
+        torch.testing.assert_close(value, saved["after"][key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
