@@ -23,10 +23,10 @@ from lordo.comm.ledger import wire_bytes
 from lordo.experiments.report import wire_totals
 
 ONE_TIME = ("broadcast:init", "all_reduce:initial_basis_gradient")
-# the settings that make a point, besides the strategy; a run whose value is the default shows nothing
-SHOWN = (("optim.lr", None), ("strategy.compress", "none"), ("strategy.compress_dense", None),
-         ("strategy.compress_density", None), ("strategy.compress_bits", None), ("strategy.compress_fullrank", None),
-         ("strategy.sync_delay", 0))
+# the settings that make a point, besides the strategy, with their defaults (a default is not shown)
+SHOWN = (("optim.lr", None), ("strategy.compress", "none"), ("strategy.compress_dense", "int8"),
+         ("strategy.compress_density", 0.015625), ("strategy.compress_bits", 2), ("strategy.compress_fullrank", "dense"),
+         ("strategy.sync_delay", 0), ("strategy.sync_exp_avg_every", 0), ("strategy.sync_exp_avg_sq_every", 0))
 SPARSE = ("sparse", "basis")  # the codecs whose compress_* fields mean something
 
 
