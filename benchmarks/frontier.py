@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lordo.comm.ledger import wire_bytes
-from lordo.experiments.report import wire_totals
+from lordo.experiments.report import tag_wire, wire_totals
 
 ONE_TIME = ("broadcast:init", "all_reduce:initial_basis_gradient")
 # the settings that make a point, besides the strategy, with their defaults (a default is not shown)
@@ -46,16 +45,6 @@ def label(config: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def tag_wire(summary: dict[str, Any], tag: str) -> float:
-    """The wire bytes of one ledger tag (summaries written before wire bytes were counted: from its payload)."""
-    entry = summary.get("comm_by_collective", {}).get(tag)
-    if not entry:
-        return 0
-    if "wire" in entry:
-        return entry["wire"]
-    return entry["calls"] * wire_bytes(tag.split(":")[0], entry["bytes"] // max(entry["calls"], 1), summary["workers"])
-
-
 def bytes_per_step(summary: dict[str, Any]) -> dict[str, float]:
     """Wire bytes per worker and step, with and without the one-time sends, and ddp's for the same run."""
     steps = summary["steps"]
@@ -69,12 +58,10 @@ def bytes_per_step(summary: dict[str, Any]) -> dict[str, float]:
 def runs_under(paths: list[str]) -> list[Path]:
     found = []
     for p in map(Path, paths):
-        if (p / "summary.json").exists():
-            found.append(p)
-        else:
-            found += sorted(s.parent for s in p.glob("*/summary.json"))
-        if not found:
+        here = [p] if (p / "summary.json").exists() else sorted(s.parent for s in p.glob("*/summary.json"))
+        if not here:
             sys.exit(f"{p}: no summary.json in it or in its folders")
+        found += here
     return found
 
 

@@ -3,6 +3,8 @@ checked here: speed targets live in the benchmarks' own output (docs/performance
 
 import json
 
+import pytest
+
 from lordo.cli import main
 
 
@@ -116,3 +118,6 @@ def test_the_frontier_groups_seeds_and_leaves_the_one_time_bytes_out(tmp_path, c
     assert "| lordo, lr=0.003, compress=basis, compress_density=0.125 | 40.00 / 42.00 | 41.00 ± 1.41 | 80 (100) | 12.5 (10.2) |" \
         in capsys.readouterr().out
     assert json.loads((tmp_path / "rows.json").read_text())[0]["steady"] == 80
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="empty: no summary.json"):  # named even after a folder that has runs
+        frontier.points([str(tmp_path / "sweep"), str(tmp_path / "empty")], [])

@@ -72,6 +72,17 @@ def _wall(summaries: list[dict[str, Any]]) -> str:
     return f"{comm['1gbit']:.2f} / {comm['10gbit']:.2f}"
 
 
+def tag_wire(summary: dict[str, Any], tag: str) -> int:
+    """The wire bytes of one ledger tag of a run (0 if it has none); summaries written before wire bytes were
+    counted get them from the tag's payload through comm.ledger.wire_bytes."""
+    entry = summary["comm_by_collective"].get(tag)
+    if not entry:
+        return 0
+    if "wire" in entry:
+        return entry["wire"]
+    return entry["calls"] * wire_bytes(tag.split(":")[0], entry["bytes"] // max(entry["calls"], 1), summary["workers"])
+
+
 def wire_totals(summary: dict[str, Any]) -> tuple[int, int]:
     """(bytes sent per worker, what ddp would have sent) of a run. Summaries written before wire bytes were
     counted get them from their per-collective payloads through the same model (comm.ledger.wire_bytes)."""
@@ -79,7 +90,7 @@ def wire_totals(summary: dict[str, Any]) -> tuple[int, int]:
         return summary["comm_wire_bytes_total"], summary["ddp_comm_wire_bytes"]
     world, steps = summary["workers"], summary["steps"]
     table = summary["comm_by_collective"]
-    wire = sum(e["calls"] * wire_bytes(k.split(":")[0], e["bytes"] // max(e["calls"], 1), world) for k, e in table.items())
+    wire = sum(tag_wire(summary, tag) for tag in table)
     init = table.get("broadcast:init", {"bytes": 0})
     grad = (summary["ddp_comm_bytes"] - init["bytes"]) // steps if steps else 0
     return wire, steps * wire_bytes("all_reduce", grad, world) + wire_bytes("broadcast", init["bytes"], world)
