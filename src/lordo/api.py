@@ -18,398 +18,22 @@ replicas, simulates that many workers in-process. ``lordo train`` drives the sam
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import sys
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
-from .comm import Communicator, Ledger, make_communicator
-from .comm.ledger import wire_bytes
-from .config import Config, OptimConfig, StrategyConfig, build_config
+from .comm import Communicator, make_communicator
+from .config import OptimConfig, StrategyConfig, build_config
+from .distributed_optimizer import DistributedOptimizer, StrategyFactory, default_groups, reshard
 from .errors import ConfigError
-from .model.params import ParamGroup, group_by_module, group_parameters
-from .optim.sharded import local
-from .strategies import STRATEGIES, Strategy, build_strategy
-from .strategies.base import check_sharded_models, sharded_names
+from .strategies import STRATEGIES
+from .strategies.base import sharded_names
 
 BACKENDS = ("auto", "sim", "gloo", "nccl", "torchft")
 _OPTIM_KEYS = {f.name for f in dataclasses.fields(OptimConfig)}
 _STRATEGY_KEYS = {f.name for f in dataclasses.fields(StrategyConfig)} - {"name"}
-
-
-class DistributedOptimizer(torch.optim.Optimizer):
-    """The optimizer state and all communication of the workers this process hosts, as a
-    ``torch.optim.Optimizer``.
-
-    Call :meth:`step` once per training step, after ``loss.backward()`` on every hosted replica; it takes
-    the local (or synchronous) optimizer step, communicates when due, and clears the gradients.
-    ``param_groups`` mirror the inner optimizer's groups (for LoRDO: the low-rank and the full-rank ones),
-    each holding that group's parameters of every hosted replica; what a torch LR scheduler or you change
-    in them (``lr``, ``weight_decay``, ``betas``, ...) is what the next step uses. ``GradScaler.step(opt)``
-    works: gradients are unscaled here, and a step with inf/NaN gradients on any worker is skipped on every
-    worker. Build it with :func:`distributed`; ``lordo train`` builds it from a :class:`~lordo.config.Config`.
-    End training with :meth:`finish` (every worker then holds the common model), or train inside
-    ``with lordo.distributed(...) as opt:``, which finishes at the end of the block; an optimizer left between
-    synchronisations at exit is reported on stderr (``check_finish=False`` turns that off).
-
-    A scheduler and mixed precision, as with any torch optimizer (docs/integrations.md runs this pattern)::
-
-        opt = lordo.distributed(model, "lordo", lr=3e-3)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-        scaler = torch.amp.GradScaler("cuda")  # float16 autocast only; bfloat16 needs none
-        for batch in batches:
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = loss_fn(model, batch)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            schedule.step()
-        opt.finish()
-    """
-
-    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale and found_inf; see step()
-
-    def __init__(
-        self,
-        models: Sequence[nn.Module],
-        cfg: Config | None,
-        comm: Communicator,
-        groups: Sequence[Sequence[ParamGroup]] | None = None,
-        owns_comm: bool = False,
-        check_finish: bool = True,
-        strategy: StrategyFactory | None = None,
-    ) -> None:
-        """``cfg`` (a run's config) builds the strategy; or ``cfg=None`` and ``strategy``, a factory that builds
-        one from the replicas and the communicator (:func:`distributed` documents both)."""
-        self.models = list(models)
-        if len(self.models) != len(comm.local_ranks):
-            raise ConfigError(
-                f"{len(self.models)} model replica(s) given, but this process hosts {len(comm.local_ranks)} worker(s)"
-            )
-        if (cfg is None) == (strategy is None):
-            raise ConfigError("give a DistributedOptimizer either a Config or a strategy factory, not both or neither")
-        if strategy is not None and comm.fault_tolerant:
-            raise ConfigError("a strategy built by your own factory cannot run on torchft: a worker that joins compares "
-                              "its settings with the run's, which only a named strategy has; use lordo.distributed(model, "
-                              "'<name>', backend='torchft', ...)")
-        self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
-        if comm.fault_tolerant and cfg is not None:  # a worker that joins compares its settings with the run's (comm/ft.py)
-            from .train.checkpoint import config_differences, trajectory_settings
-
-            settings = trajectory_settings(cfg.to_dict())
-            settings["dist"].pop("workers", None)  # each worker's own count may be 1 (from the environment)
-            comm.settings, comm.compare_settings = settings, config_differences
-        check_sharded_models(self.models, comm)
-        # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
-        # a sharded model's ranks each send their shards). Which replicas it changed is remembered: a state
-        # loaded into them before (each worker's own weights of a mid-round resume) was overwritten
-        before = [_fingerprint(m) for m in self.models]
-        comm.broadcast([[local(p).data for p in m.parameters()] for m in self.models], tag="init")
-        after = [_fingerprint(m) for m in self.models]
-        self._replaced = {i: a for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(b, a)}
-        if groups is None:
-            groups = [default_groups(m) for m in self.models]
-        self.groups = [list(g) for g in groups]
-        self.strategy: Strategy = (build_strategy(cfg, self.models, self.groups, comm) if cfg is not None
-                                   else _own_strategy(strategy, self.models, comm))
-        self.last_stats: dict[str, float] = {}
-        inner = [w.optimizer for w in self.strategy.workers]
-        mirrored = [
-            {**{k: v for k, v in group.items() if k != "params"},
-             "params": [p for opt in inner for p in opt.param_groups[i]["params"]]}
-            for i, group in enumerate(inner[0].param_groups)
-        ]
-        self._building = True
-        super().__init__(mirrored, defaults=dict(inner[0].defaults))  # schedulers read betas, momentum there
-        self._building = False
-        if check_finish:  # checked at exit: a forgotten finish() leaves every worker with its own model
-            _LIVE.add(self)
-        # opt.state[p], as tools written for torch.optim read it: the inner optimizer's state of p (live)
-        self.state = _WorkerStates([w.optimizer for w in self.strategy.workers])  # type: ignore[assignment]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not getattr(self, "_building", False):
-            raise ConfigError("a DistributedOptimizer holds the whole model from its construction; parameters cannot "
-                              "be added later (build it over a model that has them)")
-        super().add_param_group(param_group)
-
-    # --- the training step -------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, lr: float | None = None) -> Any:
-        """One optimizer step of every hosted worker from its ``.grad`` (clipped to ``grad_clip``), with the
-        communication due at this step; clears the gradients. ``closure`` (optional) recomputes the loss
-        and gradients, as in torch; ``lr`` sets every group's learning rate first (or use a torch LR
-        scheduler). Returns the closure's loss; the step's diagnostics (gradient norm; at a synchronisation
-        ``synced``, ``pseudo_grad_norm``, ``basis_overlap``, ``residual_energy``, ``error_feedback_norm``)
-        are in :attr:`last_stats`."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if lr is not None:
-            for group in self.param_groups:
-                group["lr"] = float(lr)
-        if self._amp_skip():
-            self.zero_grad(set_to_none=True)
-            self.last_stats = {"amp_skipped": 1.0}
-            return loss
-        for w in self.strategy.workers:  # the hyperparameters the groups hold now, into every inner optimizer
-            for mine, theirs in zip(self.param_groups, w.optimizer.param_groups, strict=True):
-                theirs.update({k: v for k, v in mine.items() if k != "params"})
-        # a worker of several ranks steps as one: their gradients averaged first (nothing for one rank)
-        self.comm.average_within_worker(self.strategy.grads())
-        self.last_stats = self.strategy.step()
-        return loss
-
-    def _amp_skip(self) -> bool:
-        """Under ``GradScaler.step(opt)``: unscale the gradients, and say whether to skip this step (every
-        worker skips when any found inf/NaN: a worker that stepped alone would leave the others' collectives)."""
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is None:
-            return False
-        (skip,) = self.comm.agree([bool(found_inf.item() > 0)])
-        scale = getattr(self, "grad_scale", None)
-        if not skip and scale is not None:  # None: the user already called scaler.unscale_(opt)
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, scale.double().reciprocal().float().to(grads[0].device))
-        return skip
-
-    def finish(self) -> dict[str, float]:
-        """Synchronise once more if local steps are pending, so every worker holds the same model. Call it
-        at the end of training (and before evaluating or saving a model mid-training if you need the
-        global model; between synchronisations each worker holds its own)."""
-        return self.strategy.finish()
-
-    @property
-    def in_sync(self) -> bool:
-        """True when every worker holds the same model: always for ``ddp`` and ``lowrank-ddp``; for the
-        local-update strategies right after a synchronisation (and at the start)."""
-        return self.strategy.in_sync
-
-    @torch.no_grad()
-    def average_into(self, model: nn.Module) -> None:
-        """Load into ``model`` (a spare replica of the same architecture) the mean of every worker's current
-        parameters: the model all workers would hold if they synchronised now, without changing the run.
-        A collective (every process must call it) that is not counted in the ledger; between
-        synchronisations it is the fair model to evaluate, where worker 0's own model has drifted."""
-        for m in (*self.models, model):
-            reshard(m)  # a sharded model evaluated since its last backward holds gathered parameters
-        mine = [[local(p).detach().clone() for p in m.parameters()] for m in self.models]
-        self.comm.all_reduce_mean(mine, tag="evaluation", accounted=False)
-        for target, mean in zip(model.parameters(), mine[0], strict=True):
-            local(target).copy_(mean)
-
-    def join(self) -> int:
-        """Fault tolerance (``backend="torchft"``): call once, before the first step. With the other workers
-        starting too, it checks they start from the same weights; if they are ahead (this worker restarted
-        after a failure, or started late), it receives the state of one of them, takes part in the round they
-        are in, and returns the step counter to continue from (your loop, data and LR schedule resume there).
-        On other backends it returns :attr:`steps_done` and does nothing."""
-        return self.comm.join(self.strategy)
-
-    @property
-    def steps_done(self) -> int:
-        """Optimizer steps taken (the local-step counter that decides when to synchronise)."""
-        return self.strategy.steps_done
-
-    # --- state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly (tensors, numbers, strings; ``torch.save`` it per process):
-        ``shared`` (the same on every worker), ``workers`` (one entry per hosted worker) and the ledger."""
-        state = self.strategy.state_dict()
-        state["ledger"] = self.comm.ledger.state_dict()
-        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, in a process hosting the same workers: build this optimizer,
-        load each model's own state, then this (building copies worker 0's weights to every worker; a state
-        saved between synchronisations over weights that copy replaced is refused with a clear error)."""
-        missing = {"shared", "workers"} - set(state)
-        if missing:
-            raise ValueError(f"not a lordo optimizer state: keys {sorted(missing)} are missing")
-        self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
-        self._check_load_order()
-        if "ledger" in state:
-            self.comm.ledger.load_state_dict(state["ledger"])
-        saved_groups = state.get("param_groups", [])
-        if saved_groups and len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state holds {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}")
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update(saved)
-
-    def _check_load_order(self) -> None:
-        """A mid-round state needs each worker's own weights; refuse them if the initial broadcast replaced them
-        (the model's state loaded *before* this optimizer was built) and they were not loaded again since."""
-        if self.strategy.in_sync or not self._replaced:
-            return
-        stale = [i for i, after in self._replaced.items() if torch.equal(after, _fingerprint(self.models[i]))]
-        if stale:
-            raise ConfigError(
-                f"this state was saved between synchronisations (step {self.strategy.steps_done}), where each worker "
-                f"holds its own weights, but the weights of hosted worker(s) {stale} are worker 0's: building the "
-                "optimizer copies worker 0's weights to every worker, so a model state loaded before was overwritten. "
-                "Build the optimizer first, then load each model's state, then this optimizer's state")
-
-    # --- accounting ----------------------------------------------------------------------------------
-    @property
-    def ledger(self) -> Ledger:
-        """Every collective so far: kind, tag, calls, bytes per worker (``ledger.table()``)."""
-        return self.comm.ledger
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state one worker holds (a rank, for a model sharded over the worker's ranks), by
-        category (``... (host)``: kept in host memory), with
-        ``total``, ``device_total`` (on the training device) and ``adamw`` (two fp32 moments of every trained
-        parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
-        report = dict(self.strategy.state_bytes())
-        report["total"] = sum(report.values())
-        report["device_total"] = report["total"] - sum(v for k, v in report.items() if k.endswith("(host)"))
-        # per rank of a sharded model: its shards
-        report["adamw"] = 2 * 4 * sum(t.numel() for t in self.strategy.workers[0].tensors)
-        return report
-
-    def comm_report(self) -> dict[str, Any]:
-        """Bytes per worker so far, against what DDP would have needed for the same steps (the full gradient
-        all-reduced every step, plus the same initial broadcast). ``wire_*`` are the bytes a worker sends
-        under each collective's algorithm (a ring all-reduce of S bytes sends 2(M−1)/M·S); ``bytes_*`` the
-        payload it hands to the collectives. ``ratio_to_ddp`` compares wire bytes."""
-        steps, ledger, world = self.strategy.steps_done, self.ledger, self.comm.world_size
-        init = ledger.entries.get("broadcast:init")
-        grad = self.strategy.step_payload_bytes()
-        ddp = steps * grad + (init.bytes if init else 0) if world > 1 else 0
-        ddp_wire = steps * wire_bytes("all_reduce", grad, world) + (init.wire if init else 0) if world > 1 else 0
-        total, wire = ledger.total_bytes, ledger.total_wire_bytes
-        return {
-            "steps": steps,
-            "bytes_total": total,
-            "bytes_per_step": total / steps if steps else 0.0,
-            "wire_bytes_total": wire,
-            "wire_bytes_per_step": wire / steps if steps else 0.0,
-            "calls": ledger.total_calls,
-            "ddp_bytes": ddp,
-            "ddp_wire_bytes": ddp_wire,
-            "ratio_to_ddp": wire / ddp_wire if ddp_wire else None,
-            "payload_ratio_to_ddp": total / ddp if ddp else None,
-            "by_collective": ledger.table(),
-        }
-
-    @property
-    def world_size(self) -> int:
-        """M: the number of workers (processes under torch.distributed, or simulated replicas)."""
-        return self.comm.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """True in the process hosting worker 0 (the one that should log and save)."""
-        return self.comm.is_main
-
-    def close(self) -> None:
-        """Release the process group if this object created it (not one the caller initialised)."""
-        if self._owns_comm:
-            self.comm.close()
-
-    def __enter__(self) -> DistributedOptimizer:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        """``with lordo.distributed(...) as opt:``: at the end of the block, :meth:`finish` (unless an exception
-        ends it: a collective then could wait on a failed peer) and :meth:`close`."""
-        try:
-            if exc_type is None:
-                self.finish()
-        finally:
-            self.close()
-
-    def __repr__(self) -> str:
-        if self.cfg is None:
-            return (f"DistributedOptimizer(strategy={type(self.strategy).__name__}, workers={self.comm.world_size}, "
-                    f"hosted={len(self.models)})")
-        s = self.cfg.strategy
-        return (
-            f"DistributedOptimizer(strategy={s.name!r}, workers={self.comm.world_size}, "
-            f"hosted={len(self.models)}, rank={s.rank}, sync_every={s.sync_every}, omega={s.omega})"
-        )
-
-
-StrategyFactory = Callable[[list[nn.Module], Communicator], Strategy]
-
-
-def _own_strategy(factory: StrategyFactory | None, models: list[nn.Module], comm: Communicator) -> Strategy:
-    assert factory is not None
-    built = factory(models, comm)
-    if not isinstance(built, Strategy):
-        raise ConfigError(f"the strategy factory must return a lordo.strategies Strategy, got {type(built).__name__}")
-    built.name = built.name or type(built).__name__
-    return built
-
-
-class _WorkerStates(Mapping):
-    """``DistributedOptimizer.state``: each hosted parameter's state in its worker's inner optimizer (moments,
-    bases, error feedback), read-only and live; the optimizer's own state dict is :meth:`state_dict`'s."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._optimizers = list(optimizers)
-        # the parameters are fixed at construction (add_param_group is refused): one lookup table, by identity
-        self._owners = {id(q): (q, opt) for opt in self._optimizers for g in opt.param_groups for q in g["params"]}
-
-    def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer | None:
-        found = self._owners.get(id(p))
-        return found[1] if found is not None and found[0] is p else None
-
-    def __getitem__(self, p: torch.Tensor) -> dict:
-        owner = self._owner(p)
-        if owner is None:
-            raise KeyError("parameter is not one this optimizer trains")
-        return owner.state[p]
-
-    def __iter__(self):
-        return (p for opt in self._optimizers for p in list(opt.state))
-
-    def __len__(self) -> int:
-        return sum(len(opt.state) for opt in self._optimizers)
-
-
-_LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
-
-
-@atexit.register
-def _warn_unfinished() -> None:
-    """At interpreter exit: say so if an optimizer stopped between synchronisations without finish()."""
-    for opt in list(_LIVE):
-        try:
-            if opt.in_sync:
-                continue
-            behind = opt.steps_done - getattr(opt.strategy, "synced_at", 0)
-        except Exception:  # noqa: BLE001 - never fail at exit
-            continue
-        print(f"lordo: warning: a DistributedOptimizer ({opt.strategy.name}) ended {behind} step(s) after its last "
-              "synchronisation without opt.finish(): each worker holds its own model, not the common one. Call "
-              "opt.finish() at the end of training, or train inside `with lordo.distributed(...) as opt:`",
-              file=sys.stderr)
-
-
-@torch.no_grad()
-def _fingerprint(model: nn.Module) -> torch.Tensor:
-    """Per parameter (this rank's shard of it), its float64 sum and sum of squares: tells whether a model's
-    weights changed, without a copy of them."""
-    values = [local(p).detach().double() for p in model.parameters()]
-    if not values:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([torch.stack([v.sum(), v.pow(2).sum()]).cpu() for v in values])
-
-
-def default_groups(model: nn.Module) -> list[ParamGroup]:
-    """lordo's own GPT keeps its name-based groups; any other model is grouped by module type."""
-    from .model import GPT
-
-    return group_parameters(model) if isinstance(model, GPT) else group_by_module(model)
 
 
 def distributed(
@@ -459,60 +83,48 @@ def distributed(
     """
     models = _replicas(model)
     if callable(strategy):
-        return _distributed_own(models, strategy, lr, backend, timeout_s, ranks_per_worker, options)
-    tree = _option_tree(strategy, lr, timeout_s, ranks_per_worker, options)
-    if not isinstance(backend, Communicator) and backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
-    device = next(models[0].parameters()).device.type
-    given = isinstance(backend, Communicator)
-    sharded = bool(sharded_names(models))
-    if sharded and backend in ("sim", "torchft"):
-        raise ConfigError(f"a model sharded over ranks (FSDP2) runs under torch.distributed with worker groups; backend "
-                          f"{backend!r} cannot: use gloo, nccl or auto with ranks_per_worker")
-    comm = backend if isinstance(backend, Communicator) else make_communicator(backend, len(models), timeout_s, device,
-                                                                                ranks_per_worker, sharded)
-    if len(models) > 1 and len(comm.local_ranks) != len(models):
-        if not given:
-            comm.close(clean=False)
-        raise ConfigError(
-            f"{len(models)} replicas given, but the {type(comm).__name__} hosts one worker per process; "
-            "pass one model under torch.distributed, or backend='sim' to simulate workers"
-        )
-    tree["dist"].update({"workers": comm.world_size, "backend": getattr(comm, "backend", "sim")})
-    try:
-        cfg = build_config(tree=tree)
-        return DistributedOptimizer(models, cfg, comm, owns_comm=not given)
-    except BaseException:
-        if not given:
-            comm.close(clean=False)
-        raise
-
-
-def _distributed_own(models: list[nn.Module], factory: StrategyFactory, lr: float | None, backend: str | Communicator,
-                     timeout_s: float, ranks_per_worker: int, options: dict[str, Any]) -> DistributedOptimizer:
-    """:func:`distributed` with a strategy factory."""
-    if lr is not None or options:
-        given = (["lr"] if lr is not None else []) + sorted(options)
-        raise ConfigError(f"{', '.join(given)}: options configure a named strategy; a strategy from your own factory "
-                          "takes its settings from the optimizers you build in it")
-    if not isinstance(backend, Communicator) and backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
-    if backend == "torchft":
-        raise ConfigError("backend 'torchft' runs named strategies only (a worker that joins compares its settings "
-                          "with the run's); pass a strategy name")
-    device = next(models[0].parameters()).device.type
-    comm = backend if isinstance(backend, Communicator) else make_communicator(
-        backend, len(models), timeout_s, device, ranks_per_worker, bool(sharded_names(models)))
+        _check_own_factory(lr, options, backend)
+    else:
+        tree = _option_tree(strategy, lr, timeout_s, ranks_per_worker, options)
+    comm, given = _communicator(models, backend, timeout_s, ranks_per_worker)
     try:
         if len(models) > 1 and len(comm.local_ranks) != len(models):
             raise ConfigError(f"{len(models)} replicas given, but the {type(comm).__name__} hosts one worker per "
                               "process; pass one model under torch.distributed, or backend='sim' to simulate workers")
-        return DistributedOptimizer(models, None, comm, owns_comm=not isinstance(backend, Communicator),
-                                    strategy=factory)
+        if callable(strategy):
+            return DistributedOptimizer(models, None, comm, owns_comm=not given, strategy=strategy)
+        tree["dist"].update({"workers": comm.world_size, "backend": getattr(comm, "backend", "sim")})
+        return DistributedOptimizer(models, build_config(tree=tree), comm, owns_comm=not given)
     except BaseException:
-        if not isinstance(backend, Communicator):
+        if not given:  # a process group this call started is released again
             comm.close(clean=False)
         raise
+
+
+def _check_own_factory(lr: float | None, options: dict[str, Any], backend: str | Communicator) -> None:
+    """:func:`distributed` with a strategy factory: options and torchft are for named strategies."""
+    if lr is not None or options:
+        given = (["lr"] if lr is not None else []) + sorted(options)
+        raise ConfigError(f"{', '.join(given)}: options configure a named strategy; a strategy from your own factory "
+                          "takes its settings from the optimizers you build in it")
+    if backend == "torchft":
+        raise ConfigError("backend 'torchft' runs named strategies only (a worker that joins compares its settings "
+                          "with the run's); pass a strategy name")
+
+
+def _communicator(models: list[nn.Module], backend: str | Communicator, timeout_s: float,
+                  ranks_per_worker: int) -> tuple[Communicator, bool]:
+    """The communicator ``backend`` names (started here), or the one given; and whether it was given."""
+    if isinstance(backend, Communicator):
+        return backend, True
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or a Communicator, got {backend!r}")
+    sharded = bool(sharded_names(models))
+    if sharded and backend in ("sim", "torchft"):
+        raise ConfigError(f"a model sharded over ranks (FSDP2) runs under torch.distributed with worker groups; backend "
+                          f"{backend!r} cannot: use gloo, nccl or auto with ranks_per_worker")
+    device = next(models[0].parameters()).device.type
+    return make_communicator(backend, len(models), timeout_s, device, ranks_per_worker, sharded), False
 
 
 def _replicas(model: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
@@ -562,13 +174,6 @@ def _option_tree(strategy: str, lr: float | None, timeout_s: float, ranks_per_wo
     return tree
 
 
-def reshard(model: nn.Module) -> None:
-    """Put a model sharded by FSDP2 back into its shards: FSDP2 keeps the root module's parameters gathered
-    after a forward without backward (an evaluation). Nothing for other models."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # no module is FSDP2's before it is imported
-    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-        model.reshard()
-
 
 def worker_mesh(ranks_per_worker: int):
     """The ranks of this process's LoRDO worker as a 1-D ``DeviceMesh``, to shard the model over them with FSDP2
@@ -597,4 +202,4 @@ def worker_mesh(ranks_per_worker: int):
     return mesh["rank"]
 
 
-__all__ = ["DistributedOptimizer", "distributed", "default_groups", "worker_mesh"]
+__all__ = ["DistributedOptimizer", "distributed", "default_groups", "reshard", "worker_mesh"]
