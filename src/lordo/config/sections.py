@@ -1,27 +1,15 @@
-"""Run configuration: dataclasses validated at start-up, TOML files and dotted overrides.
-
-Precedence (later wins): defaults < model preset < TOML file < ``--set section.key=value``.
-Every error names the field and its allowed values.
-"""
+"""The config's sections: one dataclass each, checking its fields when constructed (types coerced, each
+value against its allowed ones); :class:`~lordo.config.Config` holds them and checks the rules across them."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, ClassVar
 
-from .errors import ConfigError
-
-try:  # Python >= 3.11
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef,unused-ignore]
-
+from ..errors import ConfigError
 
 # ----------------------------------------------------------------------------------------------------------
 # field checks: each returns None when the value is fine, else the text "must be ..."
@@ -324,132 +312,10 @@ class CommConfig(_Section):
                                      _positive)
 
 
-@dataclass(kw_only=True)
-class Config:
-    """A run's complete settings, one dataclass per section; build it with :func:`build_config`, which
-    validates every field. ``lordo train --help`` (or docs/cli.md) lists every key with its default."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    dist: DistConfig = field(default_factory=DistConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
-
-    def __post_init__(self) -> None:
-        for section, cls in _section_types().items():
-            if not isinstance(getattr(self, section), cls):
-                raise ConfigError(f"Config.{section} must be a {cls.__name__}, got {type(getattr(self, section)).__name__}")
-        if self.strategy.sync_delay and self.strategy.name in ("ddp", "lowrank-ddp"):
-            raise ConfigError(
-                f"strategy.sync_delay applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
-                f"lordo-local; strategy {self.strategy.name!r} communicates every step (set strategy.sync_delay = 0)"
-            )
-        if self.strategy.sync_delay > self.strategy.sync_every:
-            raise ConfigError(f"strategy.sync_delay must be in [0, strategy.sync_every = {self.strategy.sync_every}], "
-                              f"got {self.strategy.sync_delay}")
-        if self.strategy.compress != "none" and self.strategy.name in ("ddp", "lowrank-ddp"):
-            raise ConfigError(
-                f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
-                f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
-            )
-        if self.strategy.compress in ("sparse", "basis"):
-            self._check_sparse()
-        if self.optim.inner == "muon":
-            self._check_muon()
-        if self.dist.backend == "torchft":
-            self._check_torchft()
-        if self.dist.shard:
-            self._check_shard()
-        if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
-            raise ConfigError(
-                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
-                f"({self.train.steps})"
-            )
-        # optim.lr = 0: the strategy's default, resolved again when a built config is validated again after its
-        # strategy changed (unless optim.lr was set meanwhile); an attribute, not a field: not in config.json
-        resolved = getattr(self, "_resolved_lr", None)
-        if self.optim.lr == 0 or (resolved is not None and self.optim.lr == resolved):
-            self.optim.lr = DEFAULT_LR[self.strategy.name]
-            self._resolved_lr: float | None = self.optim.lr
-        else:
-            self._resolved_lr = None
-
-    def _check_sparse(self) -> None:
-        s = self.strategy
-        if s.compress == "basis" and s.name not in ("lordo", "lordo-global-noqh"):
-            has = "its own bases per worker" if s.name == "lordo-local" else "no bases"
-            raise ConfigError(f"strategy.compress = \"basis\" sends coefficients in the basis every worker shares: it "
-                              f"needs lordo or lordo-global-noqh ({s.name!r} has {has}); use compress = \"sparse\"")
-        if self.dist.backend == "torchft":
-            raise ConfigError(f"strategy.compress = {s.compress!r} all-gathers sparse payloads; dist.backend = \"torchft\" "
-                              "only averages: use compress = none or bf16")
-        if self.dist.ranks_per_worker > 1:
-            raise ConfigError(f"strategy.compress = {s.compress!r} encodes each worker's whole pseudo-gradient; workers of "
-                              "several ranks (dist.ranks_per_worker > 1) exchange shards: use compress = none, bf16, int8 "
-                              "or int4")
-
-    def _check_muon(self) -> None:
-        if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)
-            if self.optim.compile_step or self.strategy.lowrank_term != "adam":
-                raise ConfigError("optim.inner = \"muon\" (LoRDO's Muon form, LowRankMuon) runs per matrix with its own "
-                                  "low-rank term: leave optim.compile_step = false and strategy.lowrank_term = \"adam\"")
-            return
-        if self.strategy.average_moments not in ("auto", "none"):
-            raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "
-                              "Muon's matrices do not have (optim.inner = \"muon\"): use auto or none")
-
-    def _check_torchft(self) -> None:
-        """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step
-        the others take (their rounds would no longer meet)."""
-        if self.train.on_nonfinite != "stop":
-            raise ConfigError("dist.backend = \"torchft\" needs train.on_nonfinite = \"stop\" (a worker that skipped a "
-                              "step alone would miss the others' synchronisations; one that stops is recovered)")
-        if self.train.precision == "fp16-mixed":
-            raise ConfigError("dist.backend = \"torchft\" does not take train.precision = \"fp16-mixed\" (a loss-scaling "
-                              "skip on one worker would desynchronise the rounds); use bf16-mixed")
-        if self.dist.ranks_per_worker != 1:
-            raise ConfigError("dist.backend = \"torchft\" runs one process per worker (dist.ranks_per_worker = 1)")
-
-    def _check_shard(self) -> None:
-        """FSDP2 inside a worker: the settings it runs with (docs/multi-node.md)."""
-        if self.dist.ranks_per_worker < 2:
-            raise ConfigError("dist.shard = true shards each worker's model over its ranks: set dist.ranks_per_worker >= 2")
-        if self.dist.backend in ("sim", "torchft"):
-            raise ConfigError(f"dist.shard = true runs under torch.distributed (dist.backend gloo, nccl or auto), not "
-                              f"{self.dist.backend!r}")
-        if self.strategy.name in ("ddp", "lowrank-ddp"):
-            raise ConfigError(f"dist.shard = true runs the local-update strategies (local-adam, lordo, lordo-local, "
-                              f"lordo-global-noqh), not {self.strategy.name!r}")
-        if self.train.compile or self.train.precision == "fp16-mixed":
-            raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
-        if self.optim.compile_step:
-            raise ConfigError("dist.shard = true steps each matrix's shard on its own (the per-matrix path): "
-                              "optim.compile_step = true would not apply; leave it false")
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
-
-
-def _section_types() -> dict[str, type]:
-    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
-
-
-SECTIONS: dict[str, type] = _section_types()
-
-# Shape presets. vocab_size comes from the tokenizer, so parameter counts below are for vocab 4096.
-PRESETS: dict[str, dict[str, int]] = {
-    "nano": dict(d_model=32, n_layers=2, n_heads=2, seq_len=64),  # ~0.16M, for tests
-    "micro": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128),  # ~1.4M
-    "small": dict(d_model=256, n_layers=6, n_heads=8, seq_len=256),  # ~5.9M
-    "paper-16m": dict(d_model=256, n_layers=4, n_heads=4, seq_len=256),  # the paper's smallest shape, ~4.3M
-}
 
 
 # ----------------------------------------------------------------------------------------------------------
-# building and validating
+# coercion: a TOML or --set value into the field's type
 
 
 def _type_name(tp: Any) -> str:
@@ -490,116 +356,3 @@ def _field_types(cls: type) -> dict[str, Any]:
 
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """Parse ``section.key=value``; the value is read as TOML (numbers, true/false, quoted or bare strings)."""
-    if "=" not in text:
-        raise ConfigError(f"--set expects section.key=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if key.count(".") != 1:
-        raise ConfigError(
-            f"--set key {key!r} must be section.key with a section from: {', '.join(SECTIONS)}"
-        )
-    section, name = key.split(".")
-    raw = raw.strip()
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as cosine or ./data
-    return section, name, value
-
-
-def _set_in(tree: dict[str, dict[str, Any]], section: str, name: str, value: Any) -> None:
-    if section not in SECTIONS:
-        raise ConfigError(f"unknown config section {section!r}; sections are: {', '.join(SECTIONS)}")
-    allowed = [f.name for f in fields(SECTIONS[section])]
-    if name not in allowed:
-        raise ConfigError(f"unknown config key {section}.{name!r}; keys of [{section}] are: {', '.join(allowed)}")
-    tree.setdefault(section, {})[name] = value
-
-
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
-    try:
-        # JSON is accepted too (a run's config.json, a sweep's base.json); TOML is the format for people
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a table of [section] tables")
-    tree: dict[str, dict[str, Any]] = {}
-    for section, body in raw.items():
-        if section == "derived" and path.suffix == ".json":
-            continue  # what a run computed (config.json); not settings
-        if not isinstance(body, dict):
-            raise ConfigError(
-                f"{path}: top-level key {section!r} must be a [section]; sections are: {', '.join(SECTIONS)}"
-            )
-        for name, value in body.items():
-            try:
-                _set_in(tree, section, name, value)
-            except ConfigError as exc:
-                raise ConfigError(f"{path}: {exc}") from None
-    return tree
-
-
-def build_config(
-    file: str | Path | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
-    tree: dict[str, dict[str, Any]] | None = None,
-) -> Config:
-    """Resolve a configuration from an optional TOML file, a nested dict and ``--set`` overrides."""
-    given: dict[str, dict[str, Any]] = {}
-    sources = [load_toml(file)] if file is not None else []
-    if tree:
-        sources.append(tree)
-    for src in sources:
-        for section, body in src.items():
-            if not isinstance(body, dict):
-                raise ConfigError(f"config section {section!r} must be a table of keys")
-            for name, value in body.items():
-                _set_in(given, section, name, value)
-    for text in overrides:
-        _set_in(given, *parse_override(text))
-
-    model = dict(given.get("model", {}))
-    preset = model.get("preset", ModelConfig().preset)
-    if preset not in PRESETS:
-        raise ConfigError(f"model.preset must be one of {', '.join(map(repr, PRESETS))}, got {preset!r}")
-    given["model"] = {**PRESETS[preset], **model}
-
-    sections = {section: cls(**given.get(section, {})) for section, cls in SECTIONS.items()}
-    return Config(**sections)
-
-
-def validate(cfg: Config) -> None:
-    """Check every field of every section again, then the rules across sections (after changing a built
-    config's fields by hand; construction already checks)."""
-    for section in SECTIONS:
-        getattr(cfg, section).__post_init__()
-    cfg.__post_init__()
-
-
-def describe() -> str:
-    """Every config key with its default and help, for ``lordo train --help`` and the docs."""
-    lines = []
-    for section, cls in SECTIONS.items():
-        lines.append(f"[{section}]")
-        defaults = cls()  # the section alone: optim.lr shows 0 (the strategy's default), not what Config resolves
-        for f in fields(cls):
-            check = f.metadata.get("check")
-            choices = getattr(check, "choices", None)
-            extra = f" (one of: {', '.join(map(str, choices))})" if choices else ""
-            default = json.dumps(getattr(defaults, f.name))
-            lines.append(f"  {section}.{f.name} = {default}  -- {f.metadata['help']}{extra}")
-    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""A run's whole configuration: the sections together, the rules across them, the model presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ..errors import ConfigError
+from .sections import (
+    DEFAULT_LR,
+    MUON_STRATEGIES,
+    CommConfig,
+    DataConfig,
+    DistConfig,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    StrategyConfig,
+    TrainConfig,
+)
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A run's complete settings, one dataclass per section; build it with :func:`build_config`, which
+    validates every field. ``lordo train --help`` (or docs/cli.md) lists every key with its default."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def __post_init__(self) -> None:
+        for section, cls in _section_types().items():
+            if not isinstance(getattr(self, section), cls):
+                raise ConfigError(f"Config.{section} must be a {cls.__name__}, got {type(getattr(self, section)).__name__}")
+        if self.strategy.sync_delay and self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(
+                f"strategy.sync_delay applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
+                f"lordo-local; strategy {self.strategy.name!r} communicates every step (set strategy.sync_delay = 0)"
+            )
+        if self.strategy.sync_delay > self.strategy.sync_every:
+            raise ConfigError(f"strategy.sync_delay must be in [0, strategy.sync_every = {self.strategy.sync_every}], "
+                              f"got {self.strategy.sync_delay}")
+        if self.strategy.compress != "none" and self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(
+                f"strategy.compress applies to the synchronisations of local-adam, lordo, lordo-global-noqh and "
+                f"lordo-local; strategy {self.strategy.name!r} has none (set strategy.compress = \"none\")"
+            )
+        if self.strategy.compress in ("sparse", "basis"):
+            self._check_sparse()
+        if self.optim.inner == "muon":
+            self._check_muon()
+        if self.dist.backend == "torchft":
+            self._check_torchft()
+        if self.dist.shard:
+            self._check_shard()
+        if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
+            raise ConfigError(
+                f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
+                f"({self.train.steps})"
+            )
+        # optim.lr = 0: the strategy's default, resolved again when a built config is validated again after its
+        # strategy changed (unless optim.lr was set meanwhile); an attribute, not a field: not in config.json
+        resolved = getattr(self, "_resolved_lr", None)
+        if self.optim.lr == 0 or (resolved is not None and self.optim.lr == resolved):
+            self.optim.lr = DEFAULT_LR[self.strategy.name]
+            self._resolved_lr: float | None = self.optim.lr
+        else:
+            self._resolved_lr = None
+
+    def _check_sparse(self) -> None:
+        s = self.strategy
+        if s.compress == "basis" and s.name not in ("lordo", "lordo-global-noqh"):
+            has = "its own bases per worker" if s.name == "lordo-local" else "no bases"
+            raise ConfigError(f"strategy.compress = \"basis\" sends coefficients in the basis every worker shares: it "
+                              f"needs lordo or lordo-global-noqh ({s.name!r} has {has}); use compress = \"sparse\"")
+        if self.dist.backend == "torchft":
+            raise ConfigError(f"strategy.compress = {s.compress!r} all-gathers sparse payloads; dist.backend = \"torchft\" "
+                              "only averages: use compress = none or bf16")
+        if self.dist.ranks_per_worker > 1:
+            raise ConfigError(f"strategy.compress = {s.compress!r} encodes each worker's whole pseudo-gradient; workers of "
+                              "several ranks (dist.ranks_per_worker > 1) exchange shards: use compress = none, bf16, int8 "
+                              "or int4")
+
+    def _check_muon(self) -> None:
+        if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)
+            if self.optim.compile_step or self.strategy.lowrank_term != "adam":
+                raise ConfigError("optim.inner = \"muon\" (LoRDO's Muon form, LowRankMuon) runs per matrix with its own "
+                                  "low-rank term: leave optim.compile_step = false and strategy.lowrank_term = \"adam\"")
+            return
+        if self.strategy.average_moments not in ("auto", "none"):
+            raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "
+                              "Muon's matrices do not have (optim.inner = \"muon\"): use auto or none")
+
+    def _check_torchft(self) -> None:
+        """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step
+        the others take (their rounds would no longer meet)."""
+        if self.train.on_nonfinite != "stop":
+            raise ConfigError("dist.backend = \"torchft\" needs train.on_nonfinite = \"stop\" (a worker that skipped a "
+                              "step alone would miss the others' synchronisations; one that stops is recovered)")
+        if self.train.precision == "fp16-mixed":
+            raise ConfigError("dist.backend = \"torchft\" does not take train.precision = \"fp16-mixed\" (a loss-scaling "
+                              "skip on one worker would desynchronise the rounds); use bf16-mixed")
+        if self.dist.ranks_per_worker != 1:
+            raise ConfigError("dist.backend = \"torchft\" runs one process per worker (dist.ranks_per_worker = 1)")
+
+    def _check_shard(self) -> None:
+        """FSDP2 inside a worker: the settings it runs with (docs/multi-node.md)."""
+        if self.dist.ranks_per_worker < 2:
+            raise ConfigError("dist.shard = true shards each worker's model over its ranks: set dist.ranks_per_worker >= 2")
+        if self.dist.backend in ("sim", "torchft"):
+            raise ConfigError(f"dist.shard = true runs under torch.distributed (dist.backend gloo, nccl or auto), not "
+                              f"{self.dist.backend!r}")
+        if self.strategy.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(f"dist.shard = true runs the local-update strategies (local-adam, lordo, lordo-local, "
+                              f"lordo-global-noqh), not {self.strategy.name!r}")
+        if self.train.compile or self.train.precision == "fp16-mixed":
+            raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
+        if self.optim.compile_step:
+            raise ConfigError("dist.shard = true steps each matrix's shard on its own (the per-matrix path): "
+                              "optim.compile_step = true would not apply; leave it false")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+
+SECTIONS: dict[str, type] = _section_types()
+
+# Shape presets. vocab_size comes from the tokenizer, so parameter counts below are for vocab 4096.
+PRESETS: dict[str, dict[str, int]] = {
+    "nano": dict(d_model=32, n_layers=2, n_heads=2, seq_len=64),  # ~0.16M, for tests
+    "micro": dict(d_model=128, n_layers=4, n_heads=4, seq_len=128),  # ~1.4M
+    "small": dict(d_model=256, n_layers=6, n_heads=8, seq_len=256),  # ~5.9M
+    "paper-16m": dict(d_model=256, n_layers=4, n_heads=4, seq_len=256),  # the paper's smallest shape, ~4.3M
+}
