@@ -59,6 +59,14 @@ def test_preset_parameter_counts(preset):
     assert model.tok_emb.weight is not None and "lm_head" not in dict(model.named_parameters())
 
 
+@pytest.mark.parametrize("shape", [dict(d_model=32, n_layers=2, n_heads=4), dict(d_model=48, n_layers=3, n_heads=2, ffn_hidden=80),
+                                   dict(d_model=64, n_layers=1, n_heads=8, ffn_hidden=0)])
+def test_the_count_from_the_shape_equals_the_built_models(shape):
+    """GPTConfig.num_params (what the memory check uses, nothing built) against the module's own tensors."""
+    cfg = GPTConfig(vocab_size=97, seq_len=16, **shape)
+    assert cfg.num_params == GPT(cfg).num_params()
+
+
 def test_preset_sizes_match_their_descriptions():
     sizes = {p: expected_params(4096, s["d_model"], s["n_layers"]) for p, s in PRESETS.items()}
     assert sizes["nano"] < 300_000

@@ -36,6 +36,14 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def num_params(self) -> int:
+        """The parameters of ``GPT(self)``, counted without building it: the tied embedding, per block four
+        attention matrices, three MLP matrices and two norms, and the final norm."""
+        d = self.d_model
+        per_block = 4 * d * d + 3 * d * self.hidden + 2 * d
+        return self.vocab_size * d + self.n_layers * per_block + d
+
 
 def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """Norms, rotations and the loss run in fp32 under bf16/fp16; float64 stays float64."""

@@ -14,16 +14,14 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError
-from ..model import GPT, GPTConfig
+from ..model import GPTConfig
 
 
 def parameter_count(cfg: Config, vocab_size: int) -> int:
-    """The model's parameters, counted on the meta device (nothing allocated)."""
+    """The model's parameters, counted from its shape (nothing built, nothing allocated)."""
     m = cfg.model
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
-                              seq_len=m.seq_len, ffn_hidden=m.ffn_hidden))
-    return model.num_params()
+    return GPTConfig(vocab_size=vocab_size, d_model=m.d_model, n_layers=m.n_layers, n_heads=m.n_heads,
+                     seq_len=m.seq_len, ffn_hidden=m.ffn_hidden).num_params
 
 
 def least_bytes(cfg: Config, vocab_size: int, hosted: int) -> int:
