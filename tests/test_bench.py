@@ -121,3 +121,50 @@ def test_the_frontier_groups_seeds_and_leaves_the_one_time_bytes_out(tmp_path, c
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="empty: no summary.json"):  # named even after a folder that has runs
         frontier.points([str(tmp_path / "sweep"), str(tmp_path / "empty")], [])
+
+
+def test_versus_reads_auto_as_what_it_resolves_to_and_counts_a_copied_run_once(tmp_path, capsys):
+    """benchmarks/versus.py: lordo with basis_method auto and subspace is one series (auto resolves to subspace
+    for lordo, to svd for lordo-local); a seed found in two folders with the same result counts once, with a
+    different result it is an error; the gap is against the first series at the same x (hand-set values)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("versus", bench / "versus.py")
+        versus = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(versus)
+    finally:
+        sys.path.remove(str(bench))
+
+    def run(folder: str, name: str, method: str, rank: int, seed: int, ppl: float) -> None:
+        path = tmp_path / folder / f"{name}-{method}-{rank}-{seed}"
+        path.mkdir(parents=True)
+        config = {"strategy": {"name": name, "basis_method": method, "rank": rank}, "train": {"seed": seed}}
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "summary.json").write_text(json.dumps({"val_ppl": ppl}))
+
+    run("a", "lordo", "subspace", 4, 0, 40.0)
+    run("b", "lordo", "auto", 4, 1, 42.0)
+    run("b", "lordo", "subspace", 4, 0, 40.0)  # the same run, in a second table
+    run("a", "lordo-local", "auto", 4, 0, 44.1)
+    run("a", "lordo-local", "svd", 4, 1, 43.9)
+    run("a", "lordo-local", "subspace", 8, 0, 39.0)
+    found = versus.collect([str(tmp_path / "a"), str(tmp_path / "b")], "strategy.rank",
+                           ["strategy.name", "strategy.basis_method"], [])
+    assert found == {"lordo, subspace": {4: {0: 40.0, 1: 42.0}}, "lordo-local, svd": {4: {0: 44.1, 1: 43.9}},
+                     "lordo-local, subspace": {8: {0: 39.0}}}
+    rows = versus.rows(found)
+    assert [r["x"] for r in rows] == [4, 8]
+    assert rows[0]["points"]["lordo, subspace"]["mean"] == 41.0
+    assert abs(rows[0]["gap_percent"]["lordo-local, svd"] - 100 * (44.0 / 41.0 - 1)) < 1e-9
+    assert rows[1]["points"]["lordo, subspace"] is None and rows[1]["gap_percent"]["lordo-local, subspace"] is None
+    versus.main([str(tmp_path / "a"), str(tmp_path / "b"), "--x", "strategy.rank", "--series", "strategy.name",
+                 "--only", "strategy.name=lordo"])
+    assert "| 4 | 40.00 / 42.00 (41.00 ± 1.41) |" in capsys.readouterr().out
+    run("c", "lordo", "subspace", 4, 0, 40.5)
+    with pytest.raises(SystemExit, match="seed 0 twice with different results"):
+        versus.collect([str(tmp_path / "a"), str(tmp_path / "c")], "strategy.rank", ["strategy.name"], [])
