@@ -25,7 +25,8 @@ ONE_TIME = ("broadcast:init", "all_reduce:initial_basis_gradient")
 # the settings that make a point, besides the strategy, with their defaults (a default is not shown)
 SHOWN = (("optim.lr", None), ("strategy.compress", "none"), ("strategy.compress_dense", "int8"),
          ("strategy.compress_density", 0.015625), ("strategy.compress_bits", 2), ("strategy.compress_fullrank", "dense"),
-         ("strategy.sync_delay", 0), ("strategy.sync_exp_avg_every", 0), ("strategy.sync_exp_avg_sq_every", 0))
+         ("strategy.sync_delay", 0), ("strategy.sync_exp_avg_every", 0), ("strategy.sync_exp_avg_sq_every", 0),
+         ("strategy.lowrank_term", "adam"), ("strategy.average_error_feedback", False))
 SPARSE = ("sparse", "basis")  # the codecs whose compress_* fields mean something
 
 

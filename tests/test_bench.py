@@ -106,8 +106,17 @@ def test_the_frontier_groups_seeds_and_leaves_the_one_time_bytes_out(tmp_path, c
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"strategy": {"name": "ddp"}, "optim": {"lr": 0.006}, "train": {"seed": 0}}))
     (other / "summary.json").write_text("{}")
+    research = tmp_path / "sweep" / "research"  # the research code's step: a point of its own, not a third seed
+    research.mkdir()
+    (research / "config.json").write_text(json.dumps({"strategy": {"name": "lordo", "compress": "basis", "compress_density": 0.125,
+                                                                   "lowrank_term": "momentum"},
+                                                      "optim": {"lr": 0.003}, "train": {"seed": 0}}))
+    (research / "summary.json").write_text(json.dumps({"steps": 10, "workers": 4, "val_ppl": 50.0, "comm_by_collective": table,
+                                                       "comm_wire_bytes_total": 1000, "ddp_comm_wire_bytes": 10150}))
     rows = frontier.points([str(tmp_path / "sweep"), str(other)], ["optim.lr=0.003"])
-    assert len(rows) == 1
+    research_row = next(r for r in rows if r["point"].endswith("lowrank_term=momentum"))
+    assert research_row["val_ppl"] == [50.0] and len(rows) == 2
+    rows = [r for r in rows if r is not research_row]
     row = rows[0]
     assert row["point"] == "lordo, lr=0.003, compress=basis, compress_density=0.125"
     assert row["seeds"] == [0, 1] and row["val_ppl"] == [40.0, 42.0] and row["mean"] == 41.0
