@@ -117,17 +117,26 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     ax.set(xscale="log", xlabel="wire bytes per worker and step (steady state)", ylabel="validation perplexity",
            title="perplexity against bytes on the wire (mean ± std over seeds)")
     ax.legend(fontsize=7)
+    save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments this script and benchmarks/versus.py share: the runs to read, the filter and the outputs."""
     parser.add_argument("paths", nargs="+", help="sweep folders or run folders of lordo train")
     parser.add_argument("--only", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                         help="keep the runs whose config has one of these values (repeatable)")
     parser.add_argument("--out", type=Path, help="write the plot to this PNG")
     parser.add_argument("--json", type=Path, help="write the rows to this JSON file")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    run_arguments(parser)
     args = parser.parse_args(argv)
     rows = points(args.paths, args.only)
     print(table(rows))

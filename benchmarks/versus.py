@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontier import field, matches, runs_under  # noqa: E402
+from frontier import field, matches, run_arguments, runs_under, save_figure  # noqa: E402
 
 from lordo.strategies.build import basis_method  # noqa: E402
 
@@ -110,20 +110,15 @@ def plot(x: str, table_rows: list[dict[str, Any]], out: Path) -> None:
         ax.set_xticks([r["x"] for r in table_rows], [str(r["x"]) for r in table_rows])
     ax.set(xlabel=x, ylabel="validation perplexity", title=f"validation perplexity vs {x} (mean ± std over seeds)")
     ax.legend(fontsize=8)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="sweep folders or run folders of lordo train")
+    run_arguments(parser)
     parser.add_argument("--x", required=True, metavar="SECTION.KEY", help="the setting on the x axis")
     parser.add_argument("--series", required=True, metavar="SECTION.KEY,...",
                         help="the settings whose values name a series (comma-separated)")
-    parser.add_argument("--only", action="append", default=[], metavar="SECTION.KEY=V1,V2",
-                        help="keep the runs whose config has one of these values (repeatable)")
-    parser.add_argument("--out", type=Path, help="write the plot to this PNG")
-    parser.add_argument("--json", type=Path, help="write the rows to this JSON file")
     args = parser.parse_args(argv)
     found = collect(args.paths, args.x, args.series.split(","), args.only)
     table_rows = rows(found)

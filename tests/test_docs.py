@@ -132,6 +132,9 @@ def _check_script(argv: list[str], page: str) -> None:
     script = ROOT / argv[0]
     assert script.exists(), (page, argv)
     source = script.read_text()
+    for sibling in re.findall(r"^from (\w+) import", source, flags=re.M):  # options a script takes from its neighbours
+        if (script.parent / f"{sibling}.py").exists():
+            source += (script.parent / f"{sibling}.py").read_text()
     for token in argv[1:]:
         if token.startswith("--"):
             assert f'"{token}"' in source, (page, f"{script.name} has no option {token}")
