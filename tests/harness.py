@@ -56,7 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, queue, args):
+# Gloo workers fork from a server process that has imported torch and lordo once per test session: a worker then
+# starts in ~0.1 s instead of the ~3-5 s a spawned one spends importing torch (and torch._dynamo, which any torch
+# optimizer's add_param_group imports). Like spawn, a worker gets nothing else of the test process: `_entry` hands
+# it the caller's environment, and the preparation data its sys.path and working directory.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "lordo.comm.torch_dist",
+                                 "lordo.strategies", "lordo.train", "harness"])
+
+
+def _entry(fn, rank, world, port, queue, args, environ):
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's, as now: the server's is from when it started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -81,13 +92,13 @@ def one_thread():
 
 
 def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> dict:
-    """Run ``fn(*args)`` in ``world`` fresh processes wired as a gloo group.
+    """Run ``fn(*args)`` in ``world`` fresh processes (forked from the preloaded server) wired as a gloo group.
 
     Returns {rank: (status, value)}: ("ok", result), ("error", traceback) or ("died", exit code)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CONTEXT.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    environ = dict(os.environ)
+    procs = [_CONTEXT.Process(target=_entry, args=(fn, r, world, port, queue, args, environ)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict = {}
