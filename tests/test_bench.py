@@ -14,6 +14,8 @@ def test_step_and_basis_benchmarks_run_and_write_json(tmp_path, data_dir, capsys
     res = json.loads(out.read_text())
     names = {r["name"] for r in res["rows"]}
     assert {"AdamW foreach", "lordo (LowRankQHAdam)", "lordo, compiled", "2 rank-r GEMMs per matrix alone (floor)"} <= names
+    assert {f"{form}, NS {dtype}" for form in ("lordo, Muon form (LowRankMuon)", "torch Muon + AdamW (MuonAdamW)")
+            for dtype in ("bfloat16", "float32")} <= names
     assert all(r["median_ms"] > 0 and r["samples"] == 4 for r in res["rows"])
     assert "| optimizer" in capsys.readouterr().out
     out = tmp_path / "basis.json"

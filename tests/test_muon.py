@@ -1,6 +1,7 @@
 """Muon as the inner optimizer of ddp and local-adam (``optim.inner = "muon"``): ``MuonAdamW`` against torch's own
 Muon and AdamW stepped side by side, through lordo.distributed, and the settings it refuses."""
 
+import copy
 import io
 
 import pytest
@@ -323,3 +324,55 @@ def test_a_copy_of_the_muon_form_steps_as_the_original():
     opt.step()
     twin["opt"].step()
     assert torch.equal(w, twin["w"])
+
+
+def _muon64(w, grads, *, lr, mu, wd, adjust):
+    """torch's Muon written out in float64 (Nesterov): B ← μB + (1−μ)G, N = (1−μ)G + μB, W ← W(1 − ηλ) − η·k·NS(N)."""
+    w, buf = w.double().clone(), torch.zeros(w.shape, dtype=torch.float64)
+    p, q = w.shape
+    k = 0.2 * max(p, q) ** 0.5 if adjust == "match_rms_adamw" else max(1.0, p / q) ** 0.5
+    for g in grads:
+        buf = mu * buf + (1 - mu) * g.double()
+        w = w * (1 - lr * wd) - lr * k * _ns64((1 - mu) * g.double() + mu * buf)
+    return w
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
+def test_muon_with_its_iteration_in_float32_is_the_float64_step_and_in_bfloat16_torchs(shape, adjust):
+    from lordo.optim.hybrid import PrecisionMuon, muon_step
+
+    torch.manual_seed(7)
+    start = torch.randn(shape)
+    grads = [torch.randn(shape) for _ in range(4)]
+    ours32, ours16, ref = (nn.Parameter(start.clone()) for _ in range(3))
+    opt32 = PrecisionMuon([ours32], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust, ns_dtype=torch.float32)
+    muon = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
+    state16: dict = {ours16: {}}
+    for g in grads:
+        ours32.grad, ours16.grad, ref.grad = g.clone(), g.clone(), g.clone()
+        opt32.step()
+        muon.step()
+        with torch.no_grad():  # the step's own loop in bfloat16: torch's step, operation for operation
+            muon_step([ours16], [ours16.grad], state16, muon.param_groups[0], torch.bfloat16)
+    assert torch.equal(ours16, ref)
+    expected = _muon64(start, grads, lr=0.02, mu=0.95, wd=0.1, adjust=adjust)
+    torch.testing.assert_close(ours32.double(), expected, rtol=0, atol=1e-5)
+    assert (ref.double() - expected).abs().max() > 1e-4  # bfloat16's rounding is visible at this tolerance
+    assert set(opt32.state[ours32]) == {"momentum_buffer"}  # torch's state: checkpoints interchange
+    assert copy.deepcopy(opt32).ns_dtype == torch.float32  # a copy steps as the original
+
+
+def test_muon_ns_dtype_reaches_both_muon_optimizers_and_is_checked():
+    from lordo.optim.hybrid import PrecisionMuon
+
+    for strategy in ("ddp", "lordo"):
+        opt = lordo.distributed(make(), strategy, inner="muon", muon_ns_dtype="float32", rank=4)
+        inner = opt.strategy.workers[0].optimizer
+        muon = inner.muon if strategy == "ddp" else inner
+        assert isinstance(muon, PrecisionMuon if strategy == "ddp" else LowRankMuon)
+        assert (muon.ns_dtype if strategy == "ddp" else muon.muon.dtype) == torch.float32
+    with pytest.raises(ConfigError, match="muon_ns_dtype must be one of.*bfloat16.*float32"):
+        build_config(overrides=['optim.muon_ns_dtype="float16"'])
+    with pytest.raises(ValueError, match="ns_dtype must be one of"):
+        PrecisionMuon([nn.Parameter(torch.randn(4, 4))], ns_dtype=torch.float16)

@@ -133,15 +133,20 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
 
 def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
     """Muon as ``optim.inner = "muon"`` builds it: LoRDO's Muon form (LowRankMuon at the same rank) and torch's
-    Muon on the block matrices with AdamW on the rest (ddp's and local-adam's inner optimizer)."""
+    Muon on the block matrices with AdamW on the rest (ddp's and local-adam's inner optimizer), each with
+    Newton–Schulz in bfloat16 (torch's) and in float32 (``optim.muon_ns_dtype``)."""
     from ..strategies import make_lowrank_optimizer
     from ..strategies.build import make_inner
 
-    muon = dataclasses.replace(cfg.optim, inner="muon")
-    gs, _, _ = replica()
-    low = make_lowrank_optimizer(gs, cfg.strategy, muon, omega=cfg.strategy.omega)
-    gs, _, _ = replica()
-    return {"lordo, Muon form (LowRankMuon)": low, "torch Muon + AdamW (MuonAdamW)": make_inner(gs, muon)}
+    out: dict[str, torch.optim.Optimizer] = {}
+    for dtype in ("bfloat16", "float32"):
+        muon = dataclasses.replace(cfg.optim, inner="muon", muon_ns_dtype=dtype)
+        gs, _, _ = replica()
+        out[f"lordo, Muon form (LowRankMuon), NS {dtype}"] = make_lowrank_optimizer(gs, cfg.strategy, muon,
+                                                                                   omega=cfg.strategy.omega)
+        gs, _, _ = replica()
+        out[f"torch Muon + AdamW (MuonAdamW), NS {dtype}"] = make_inner(gs, muon)
+    return out
 
 
 def _peer_optimizers(replica: Replica, r: int, skipped: dict[str, str]) -> dict[str, torch.optim.Optimizer]:

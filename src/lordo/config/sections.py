@@ -151,6 +151,9 @@ class OptimConfig(_Section):
     muon_adjust_lr: str = _f("match_rms_adamw", "Muon's per-matrix rate: match_rms_adamw (0.2 sqrt(max(p, q)) times "
                              "optim.lr, so AdamW's rate and decay carry over) or original (sqrt(max(1, p/q)))",
                              _choice("match_rms_adamw", "original"))
+    muon_ns_dtype: str = _f("bfloat16", "precision of Muon's Newton-Schulz iteration (optim.inner = muon): bfloat16 "
+                            "(torch's) or float32 (for CPUs without bfloat16 matrix units, where bfloat16 GEMMs are an "
+                            "order of magnitude slower)", _choice("bfloat16", "float32"))
 
 
 @dataclass(kw_only=True)

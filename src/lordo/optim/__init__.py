@@ -2,7 +2,7 @@
 parameters sharded by FSDP2 (``sharded.py``, when it meets one)."""
 
 from .functional import lowrank_qh_adam, lowrank_qh_adam_update, qh_adam_update
-from .hybrid import MuonAdamW
+from .hybrid import MuonAdamW, PrecisionMuon
 from .lowrank import back_project, project, project_with_feedback, rotate_moments
 from .muon import LowRankMuon, newton_schulz
 from .optimizer import LowRankQHAdam
@@ -21,6 +21,7 @@ __all__ = [
     "grad_of",
     "lowrank_qh_adam",
     "newton_schulz",
+    "PrecisionMuon",
     "lowrank_qh_adam_update",
     "overlap",
     "project",

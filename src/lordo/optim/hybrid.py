@@ -7,6 +7,10 @@ so that a strategy, a scheduler and a checkpoint see one ``torch.optim.Optimizer
 inner optimizers' group dicts themselves (Muon's first, then AdamW's; a scheduler's change reaches the inner
 optimizer), ``state`` reads either optimizer's state, ``state_dict()`` is torch's format over all groups and
 ``load_state_dict`` hands each inner optimizer its part.
+
+Muon's Newton–Schulz iteration runs in bfloat16, as torch's does, unless ``ns_dtype`` says otherwise
+(:class:`PrecisionMuon`): on a CPU without bfloat16 matrix units (AVX2 only) a bfloat16 GEMM is an order of
+magnitude slower than a float32 one, and float32 makes Muon usable there.
 """
 
 from __future__ import annotations
@@ -17,8 +21,57 @@ from typing import Any
 import torch
 
 from .functional import takes_fused_adamw
+from .muon import muon_scale, newton_schulz
 
 ADJUST_LR = ("original", "match_rms_adamw")
+NS_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
+def muon_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state: MutableMapping, group: dict,
+              ns_dtype: torch.dtype) -> None:
+    """torch's Muon step (``torch.optim._muon._single_tensor_muon``) with the Newton–Schulz iteration in
+    ``ns_dtype``: momentum buffer ← lerp to G by 1 − μ, the Nesterov mix, the quintic iteration, decoupled decay,
+    then W −= lr·adjust(p, q)·O. The state is torch's (``momentum_buffer``, created as zeros at the first step)."""
+    lr, mu = float(group["lr"]), group["momentum"]
+    for p, grad in zip(params, grads, strict=True):
+        if grad.ndim != 2:
+            raise ValueError(f"Muon takes 2-D matrices only, got a gradient of shape {tuple(grad.shape)}")
+        if "momentum_buffer" not in state[p]:
+            state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf = state[p]["momentum_buffer"]
+        buf.lerp_(grad, 1 - mu)
+        update = grad.lerp(buf, mu) if group["nesterov"] else buf
+        o = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
+        p.mul_(1 - lr * group["weight_decay"])
+        p.add_(o, alpha=-lr * muon_scale(p.shape, group["adjust_lr_fn"]))
+
+
+class PrecisionMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` with the Newton–Schulz precision chosen. ``ns_dtype=torch.bfloat16`` (the default) is
+    torch's own step; float32 or float64 run the same step (:func:`muon_step`) with the iteration in that dtype,
+    for CPUs whose bfloat16 GEMM is slow. The state and its checkpoint format are torch's either way."""
+
+    def __init__(self, params: Any, *, ns_dtype: torch.dtype = torch.bfloat16, **options: Any) -> None:
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
+        super().__init__(params, **options)
+        self.ns_dtype = ns_dtype
+
+    def __getstate__(self) -> dict:  # torch's keeps defaults, state and groups only: a copy needs the dtype too
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            muon_step(params, [p.grad for p in params], self.state, group, self.ns_dtype)
+        return loss
 
 
 class _States(MutableMapping):
@@ -58,11 +111,13 @@ class MuonAdamW(torch.optim.Optimizer):
     any per-group setting (``weight_decay``, ``lr``, ``name``). ``momentum``, ``nesterov``, ``ns_steps`` and
     ``adjust_lr_fn`` are Muon's (torch's defaults but ``adjust_lr_fn``: ``"match_rms_adamw"`` scales each
     matrix's rate by 0.2·sqrt(max(p, q)), so that the learning rate and weight decay tuned for AdamW carry
-    over, Moonshot's rule); ``betas`` and ``eps`` AdamW's."""
+    over, Moonshot's rule); ``ns_dtype`` the Newton–Schulz precision (:class:`PrecisionMuon`: bfloat16 is torch's
+    own step); ``betas`` and ``eps`` AdamW's."""
 
     def __init__(self, groups: Sequence[dict], *, lr: float = 1e-3, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw") -> None:
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = "match_rms_adamw",
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
         if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR:
             raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR}, got {adjust_lr_fn!r}")
         for g in groups:
@@ -73,8 +128,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if not matrices or not others:
             raise ValueError("MuonAdamW needs groups of both kinds (\"muon\": True and False); for one kind use "
                              "torch.optim.Muon or torch.optim.AdamW")
-        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                                     ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        self.muon = PrecisionMuon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                  ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
         rest = [p for g in others for p in g["params"]]
         fused = takes_fused_adamw(rest)
         self.adamw = torch.optim.AdamW(others, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,

@@ -56,11 +56,16 @@ def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float] = NS
     return y.T if tall else y
 
 
+def muon_scale(shape: tuple[int, ...], adjust: str | None) -> float:
+    """Muon's per-matrix rate factor of a p×q matrix, as torch's ``adjust_lr_fn``: ``match_rms_adamw``
+    0.2·sqrt(max(p, q)), ``original`` (or None) sqrt(max(1, p/q))."""
+    p, q = shape[0], shape[1]
+    return 0.2 * math.sqrt(max(p, q)) if adjust == "match_rms_adamw" else math.sqrt(max(1.0, p / q))
+
+
 def rank_scale(shape: tuple[int, int], rank: int, adjust: str) -> float:
     """s: Muon's per-matrix rate factor of a p×q matrix, times sqrt(min(p, q)/r)."""
-    p, q = shape
-    base = 0.2 * math.sqrt(max(p, q)) if adjust == "match_rms_adamw" else math.sqrt(max(1.0, p / q))
-    return base * math.sqrt(min(p, q) / rank)
+    return muon_scale(shape, adjust) * math.sqrt(min(shape) / rank)
 
 
 @dataclass(frozen=True)

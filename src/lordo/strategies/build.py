@@ -69,7 +69,7 @@ def make_inner(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Opti
         raise ConfigError("optim.inner = \"muon\": no parameter group holds block matrices for Muon to take")
     return MuonAdamW(param_groups, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
                      momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
-                     adjust_lr_fn=o.muon_adjust_lr)
+                     adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype))
 
 
 def split_lowrank(groups: Sequence[ParamGroup], pattern: str, rank: int) -> tuple[list[dict], list[str]]:
@@ -129,7 +129,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
     )
     if o.inner == "muon":  # LoRDO's Muon form (config checks leave compile_step and lowrank_term at their defaults)
         return LowRankMuon(param_groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
-                           adjust_lr_fn=o.muon_adjust_lr, **common)
+                           adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype), **common)
     return LowRankQHAdam(param_groups, compile=o.compile_step, lowrank_term=s.lowrank_term, **common)
 
 

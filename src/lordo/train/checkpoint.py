@@ -344,6 +344,7 @@ ADDED_FIELDS = {
     ("optim", "muon_nesterov"): True,
     ("optim", "muon_ns_steps"): 5,
     ("optim", "muon_adjust_lr"): "match_rms_adamw",
+    ("optim", "muon_ns_dtype"): "bfloat16",
     # read only with strategy.compress = sparse or basis, which an older run cannot have
     ("strategy", "compress_dense"): "int8",
     ("strategy", "compress_density"): 1 / 64,
