@@ -376,3 +376,24 @@ def test_muon_ns_dtype_reaches_both_muon_optimizers_and_is_checked():
         build_config(overrides=['optim.muon_ns_dtype="float16"'])
     with pytest.raises(ValueError, match="ns_dtype must be one of"):
         PrecisionMuon([nn.Parameter(torch.randn(4, 4))], ns_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("flags, overrides, device, noted", [
+    ("fpu sse avx2 fma", [], "cpu", True),                                   # AVX2 only: bfloat16 GEMMs are slow
+    ("fpu avx2 avx512f avx512_bf16", [], "cpu", False),                      # bfloat16 dot products
+    ("fpu avx2 amx_bf16 amx_tile", [], "cpu", False),
+    ("fpu sse avx2 fma", ['optim.muon_ns_dtype="float32"'], "cpu", False),   # already float32
+    ("fpu sse avx2 fma", [], "cuda", False),                                 # not the CPU's iteration
+    ("", [], "cpu", False),                                                  # flags unknown: nothing said
+])
+def test_a_note_suggests_float32_newton_schulz_on_a_cpu_without_bfloat16_matrix_instructions(flags, overrides, device,
+                                                                                             noted):
+    from lordo.train.runtime import muon_precision_note
+
+    cfg = build_config(overrides=['optim.inner="muon"', *overrides])
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n" if flags else "processor\t: 0\n"
+    note = muon_precision_note(cfg, torch.device(device), cpuinfo)
+    assert (note is not None) == noted
+    if noted:
+        assert 'optim.muon_ns_dtype="float32"' in note
+    assert muon_precision_note(build_config(), torch.device("cpu"), cpuinfo) is None  # Adam: nothing to say

@@ -34,7 +34,17 @@ from ..optim import fsdp_placement
 from .checkpoint import Checkpointer, config_differences, full_state, load_local_state, local_state
 from .memory import check_fits
 from .metrics import MetricsWriter, Progress
-from .runtime import PRECISIONS, RunState, SignalFlag, evaluate, locked_output, output_folder, resolve_device, resolve_precision
+from .runtime import (
+    PRECISIONS,
+    RunState,
+    SignalFlag,
+    evaluate,
+    locked_output,
+    muon_precision_note,
+    output_folder,
+    resolve_device,
+    resolve_precision,
+)
 from .schedule import lr_factor
 from .summary import RunFacts, summarize
 
@@ -54,6 +64,9 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
             "4.6x faster with one thread each (docs/multi-node.md)")
     device = resolve_device(t.device)
     comm = make_communicator(d.backend, d.workers, d.timeout_s, device.type, d.ranks_per_worker, d.shard)
+    note = muon_precision_note(cfg, device)
+    if note and comm.is_main:
+        log(note)
     clean = False
     try:
         out = output_folder(cfg, out_dir, comm)
