@@ -44,8 +44,8 @@ def muon_precision_note(cfg: Config, device: torch.device, cpuinfo: str | None =
     if not flags or flags & set(BF16_MATRIX_FLAGS):
         return None
     return ("note: Muon's Newton-Schulz iteration runs in bfloat16 (torch's), and this CPU has no bfloat16 matrix "
-            "instructions (no avx512_bf16 or amx_bf16): --set optim.muon_ns_dtype=\"float32\" made Muon's step "
-            "10.9x faster for full-rank Muon and 1.7x for LoRDO's Muon form on such a CPU (docs/performance.md)")
+            "instructions (no avx512_bf16 or amx_bf16): --set optim.muon_ns_dtype=\"float32\" made full-rank Muon's "
+            "step 10.9x faster and LoRDO's Muon form's 1.7x on such a CPU (docs/performance.md)")
 
 
 @torch.no_grad()
