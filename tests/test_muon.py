@@ -158,11 +158,12 @@ def _ns64(x, steps=5, coefficients=(3.4445, -4.775, 2.0315)):
 class _MuonSpec:
     """The update of LowRankMuon's module doc in float64, term by term (right side: P q×r, proj = A·P)."""
 
-    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank):
+    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank, qh_scale="own"):
         self.W, self.P = w.detach().double().clone(), basis.double()
         self.right = w.shape[0] >= w.shape[1]
         self.E, self.M = torch.zeros_like(self.W), None
         self.lr, self.mu, self.omega, self.wd, self.after_qh, self.rank = lr, mu, omega, wd, after_qh, rank
+        self.qh_scale = qh_scale
 
     def proj(self, a):
         return a @ self.P if self.right else self.P.T @ a
@@ -186,15 +187,17 @@ class _MuonSpec:
         p, q = self.W.shape
         s = 0.2 * max(p, q) ** 0.5 * (min(p, q) / self.rank) ** 0.5
         rho = s * Orth.norm() / (p * q) ** 0.5
-        rms_a = A.norm() / (p * q) ** 0.5
-        self.W = self.W * (1 - self.lr * self.wd) - self.lr * (self.omega * s * self.back(Orth) + (1 - self.omega) * rho * A / rms_a)
+        # "own": A's RMS over its p·q entries; "gradient": the RMS of the back-projected gradient, a p×q matrix too
+        sigma = (A if self.qh_scale == "own" else self.back(g)).pow(2).mean().sqrt()
+        self.W = self.W * (1 - self.lr * self.wd) - self.lr * (self.omega * s * self.back(Orth) + (1 - self.omega) * rho * A / sigma)
         if self.after_qh == "remove":
             self.E = self.omega * self.E
 
 
+@pytest.mark.parametrize("qh_scale", ["own", "gradient"])
 @pytest.mark.parametrize("after_qh", ["keep", "remove"])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
-def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh):
+def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):
     """Six steps at ω = 0.9 with error feedback (G + E in the QH term, deferred from the second step on) and weight
     decay; the basis changes before step 4 (M rotated into it, E settled), both sides."""
     torch.manual_seed(5)
@@ -202,9 +205,9 @@ def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh):
     w = nn.Parameter(torch.randn(shape))
     q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
     opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
-                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64)
+                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, qh_scale=qh_scale)
     opt.set_basis(w, q)
-    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r)
+    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, qh_scale=qh_scale)
     for t in range(1, 7):
         if t == 4:
             q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()

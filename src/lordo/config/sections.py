@@ -154,6 +154,10 @@ class OptimConfig(_Section):
     muon_ns_dtype: str = _f("bfloat16", "precision of Muon's Newton-Schulz iteration (optim.inner = muon): bfloat16 "
                             "(torch's) or float32 (for CPUs without bfloat16 matrix units, where bfloat16 GEMMs are an "
                             "order of magnitude slower)", _choice("bfloat16", "float32"))
+    muon_qh_scale: str = _f("own", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what the full-rank "
+                            "term is divided by before it takes the orthogonalised step's RMS: gradient (the projected "
+                            "gradient's RMS, as Adam's form divides by mean(D)) or own (its own RMS: the term's size "
+                            "is fixed at (1 - omega) of the step)", _choice("gradient", "own"))
 
 
 @dataclass(kw_only=True)

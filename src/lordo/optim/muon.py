@@ -10,7 +10,8 @@ error feedback E::
     O = NS(N)                                             # Newton–Schulz on the p×r (or r×q) matrix
     s = adjust(p, q)·sqrt(min(p, q)/r)                    # Muon's per-matrix rate, and the rank's share
     ρ = s·‖O‖/sqrt(p·q)                                   # the RMS of s·back(O) (back keeps norms)
-    Q = G or A (qh_source) ;  W ← W·(1 − ηλ) − η·(ω·s·back(O) + (1 − ω)·ρ·Q/rms(Q))
+    Q = G or A (qh_source) ;  W ← W·(1 − ηλ) − η·(ω·s·back(O) + (1 − ω)·ρ·Q/σ)
+    σ = rms(back(g)) (qh_scale "gradient": Adam's mean(D), the projected gradient's size) or rms(Q) ("own")
 
 ``adjust`` is torch's: ``match_rms_adamw`` 0.2·sqrt(max(p, q)), ``original`` sqrt(max(1, p/q)); the factor
 sqrt(min(p, q)/r) gives the rank-r update the RMS of a full-rank orthogonal one (an orthogonal p×q matrix of
@@ -36,6 +37,7 @@ from .state import Lists
 from .subspace import Side
 
 ADJUST_LR = ("match_rms_adamw", "original")
+QH_SCALES = ("gradient", "own")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch's (Keller Jordan's quintic)
 
 
@@ -77,6 +79,7 @@ class MuonOptions:
     eps: float
     adjust: str
     dtype: torch.dtype
+    qh_scale: str
 
 
 class LowRankMuon(LowRankQHAdam):
@@ -85,7 +88,11 @@ class LowRankMuon(LowRankQHAdam):
 
     ``momentum``, ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``ns_eps``, ``adjust_lr_fn`` are torch's Muon
     options (``adjust_lr_fn`` defaults to ``match_rms_adamw``: AdamW's rate and weight decay carry over);
-    ``ns_dtype`` the Newton–Schulz precision (bfloat16, as torch; float32/float64 for references). Every other
+    ``ns_dtype`` the Newton–Schulz precision (bfloat16, as torch; float32/float64 for references). ``qh_scale``
+    what the full-rank term Q is divided by before it gets the orthogonalised part's RMS ρ: ``"gradient"`` the
+    projected gradient's RMS (as Adam's form divides by mean(D): Q's size relative to the gradient in the basis
+    carries over, so a large error feedback reaches the weights) or ``"own"`` Q's own RMS (the term's size is
+    always (1 − ω)·ρ; on micro the basis then stagnates, docs/results.md section 13). Every other
     option is :class:`LowRankQHAdam`'s. Runs per matrix (``batched``/``compile`` refused by name) and on whole
     matrices (FSDP2 shards refused: the iteration needs every row)."""
 
@@ -94,7 +101,7 @@ class LowRankMuon(LowRankQHAdam):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
                  adjust_lr_fn: str = "match_rms_adamw", ns_dtype: torch.dtype = torch.bfloat16,
-                 betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
+                 qh_scale: str = "own", betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
         for key in ("batched", "compile"):
             if options.get(key):
                 raise ValueError(f"{key}={options[key]!r}: LowRankMuon runs per matrix; leave {key} out")
@@ -102,11 +109,14 @@ class LowRankMuon(LowRankQHAdam):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if adjust_lr_fn not in ADJUST_LR:
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {adjust_lr_fn!r}")
+        if qh_scale not in QH_SCALES:
+            raise ValueError(f"qh_scale must be one of {QH_SCALES}, got {qh_scale!r}")
         if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
             raise ValueError(f"ns_steps must be an integer in [1, 100), got {ns_steps!r}")
         a, b, c = ns_coefficients
         self.muon = MuonOptions(momentum=momentum, nesterov=nesterov, coefficients=(a, b, c), steps=ns_steps,
-                                eps=ns_eps, adjust=adjust_lr_fn, dtype=ns_dtype)
+                                eps=ns_eps, adjust=adjust_lr_fn, dtype=ns_dtype,
+                                qh_scale=qh_scale)
         super().__init__(params, lr=lr, betas=betas, batched=False, **options)
 
     def __getstate__(self) -> dict:  # torch's keeps defaults, state and groups only: a copy needs the options too
@@ -146,7 +156,8 @@ class LowRankMuon(LowRankQHAdam):
             weight.addmm_(left, right, beta=1 - lr * group["weight_decay"], alpha=-lr * omega * s * group["scale"])
             if omega < 1:
                 q = self._qh_input(group, state, g, grad, basis, side)
-                ratio = s * o.float().norm() / q.float().norm().clamp(min=1e-30)  # ρ/rms(Q): 0-d, on the device
+                sigma = g if m.qh_scale == "gradient" else q  # ‖back(g)‖ = ‖g‖: the basis is orthonormal
+                ratio = s * o.float().norm() / sigma.float().norm().clamp(min=1e-30)  # ρ/σ: 0-d, on the device
                 weight.addcmul_(q, ratio.to(weight.dtype), value=-lr * (1 - omega))
         if feedback.shrinks(group):
             feedback.shrink(lists.states, omega)
