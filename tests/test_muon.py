@@ -183,18 +183,19 @@ class _MuonSpec:
         g = self.proj(A)
         self.E = A - self.back(g)
         self.M = (1 - self.mu) * g if self.M is None else self.mu * self.M + (1 - self.mu) * g
-        Orth = _ns64((1 - self.mu) * g + self.mu * self.M)
+        N = (1 - self.mu) * g + self.mu * self.M
+        Orth = _ns64(N)
         p, q = self.W.shape
         s = 0.2 * max(p, q) ** 0.5 * (min(p, q) / self.rank) ** 0.5
         rho = s * Orth.norm() / (p * q) ** 0.5
-        # "own": A's RMS over its p·q entries; "gradient": the RMS of the back-projected gradient, a p×q matrix too
-        sigma = (A if self.qh_scale == "own" else self.back(g)).pow(2).mean().sqrt()
+        # "own": A's RMS over its p·q entries; "momentum": the RMS of the back-projected momentum, p×q too
+        sigma = (A if self.qh_scale == "own" else self.back(N)).pow(2).mean().sqrt()
         self.W = self.W * (1 - self.lr * self.wd) - self.lr * (self.omega * s * self.back(Orth) + (1 - self.omega) * rho * A / sigma)
         if self.after_qh == "remove":
             self.E = self.omega * self.E
 
 
-@pytest.mark.parametrize("qh_scale", ["own", "gradient"])
+@pytest.mark.parametrize("qh_scale", ["own", "momentum"])
 @pytest.mark.parametrize("after_qh", ["keep", "remove"])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
 def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):

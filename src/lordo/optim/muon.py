@@ -11,7 +11,7 @@ error feedback E::
     s = adjust(p, q)·sqrt(min(p, q)/r)                    # Muon's per-matrix rate, and the rank's share
     ρ = s·‖O‖/sqrt(p·q)                                   # the RMS of s·back(O) (back keeps norms)
     Q = G or A (qh_source) ;  W ← W·(1 − ηλ) − η·(ω·s·back(O) + (1 − ω)·ρ·Q/σ)
-    σ = rms(back(g)) (qh_scale "gradient": Adam's mean(D), the projected gradient's size) or rms(Q) ("own")
+    σ = rms(back(N)) (qh_scale "momentum": the size of what was orthogonalised) or rms(Q) ("own")
 
 ``adjust`` is torch's: ``match_rms_adamw`` 0.2·sqrt(max(p, q)), ``original`` sqrt(max(1, p/q)); the factor
 sqrt(min(p, q)/r) gives the rank-r update the RMS of a full-rank orthogonal one (an orthogonal p×q matrix of
@@ -37,7 +37,7 @@ from .state import Lists
 from .subspace import Side
 
 ADJUST_LR = ("match_rms_adamw", "original")
-QH_SCALES = ("gradient", "own")
+QH_SCALES = ("momentum", "own")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch's (Keller Jordan's quintic)
 
 
@@ -89,10 +89,10 @@ class LowRankMuon(LowRankQHAdam):
     ``momentum``, ``nesterov``, ``ns_coefficients``, ``ns_steps``, ``ns_eps``, ``adjust_lr_fn`` are torch's Muon
     options (``adjust_lr_fn`` defaults to ``match_rms_adamw``: AdamW's rate and weight decay carry over);
     ``ns_dtype`` the Newton–Schulz precision (bfloat16, as torch; float32/float64 for references). ``qh_scale``
-    what the full-rank term Q is divided by before it gets the orthogonalised part's RMS ρ: ``"gradient"`` the
-    projected gradient's RMS (as Adam's form divides by mean(D): Q's size relative to the gradient in the basis
-    carries over, so a large error feedback reaches the weights) or ``"own"`` Q's own RMS (the term's size is
-    always (1 − ω)·ρ; on micro the basis then stagnates, docs/results.md section 13). Every other
+    what the full-rank term Q is divided by before it gets the orthogonalised part's RMS ρ: ``"momentum"`` the
+    RMS of the back-projected momentum N that Newton–Schulz normalised (Q then weighs against the low-rank part as
+    in Adam's form, where both are divided by the same √v̂: see docs/concepts.md) or ``"own"`` Q's own RMS (the
+    term's size is always (1 − ω)·ρ; on micro the basis then stagnates, docs/results.md section 13). Every other
     option is :class:`LowRankQHAdam`'s. Runs per matrix (``batched``/``compile`` refused by name) and on whole
     matrices (FSDP2 shards refused: the iteration needs every row)."""
 
@@ -149,14 +149,14 @@ class LowRankMuon(LowRankQHAdam):
             state["step"] += 1
             buffer, basis = state["exp_avg"], state["basis"].to(weight.dtype)
             buffer.lerp_(g, 1 - mu)
-            o = newton_schulz(g.lerp(buffer, mu) if m.nesterov else buffer, m.coefficients, m.steps, m.eps,
-                              m.dtype).to(weight.dtype)
+            n = g.lerp(buffer, mu) if m.nesterov else buffer
+            o = newton_schulz(n, m.coefficients, m.steps, m.eps, m.dtype).to(weight.dtype)
             s = rank_scale((weight.shape[0], weight.shape[1]), group["rank"], m.adjust)
             left, right = (o, basis.T) if side == Side.RIGHT else (basis, o)
             weight.addmm_(left, right, beta=1 - lr * group["weight_decay"], alpha=-lr * omega * s * group["scale"])
             if omega < 1:
                 q = self._qh_input(group, state, g, grad, basis, side)
-                sigma = g if m.qh_scale == "gradient" else q  # ‖back(g)‖ = ‖g‖: the basis is orthonormal
+                sigma = n if m.qh_scale == "momentum" else q  # ‖back(N)‖ = ‖N‖: the basis is orthonormal
                 ratio = s * o.float().norm() / sigma.float().norm().clamp(min=1e-30)  # ρ/σ: 0-d, on the device
                 weight.addcmul_(q, ratio.to(weight.dtype), value=-lr * (1 - omega))
         if feedback.shrinks(group):
