@@ -154,7 +154,7 @@ class OptimConfig(_Section):
     muon_ns_dtype: str = _f("bfloat16", "precision of Muon's Newton-Schulz iteration (optim.inner = muon): bfloat16 "
                             "(torch's) or float32 (for CPUs without bfloat16 matrix units, where bfloat16 GEMMs are an "
                             "order of magnitude slower)", _choice("bfloat16", "float32"))
-    muon_qh_scale: str = _f("own", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what the full-rank "
+    muon_qh_scale: str = _f("momentum", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what the full-rank "
                             "term is divided by before it takes the orthogonalised step's RMS: momentum (the RMS of "
                             "the momentum Newton-Schulz normalised, so the term weighs against the low-rank step as in "
                             "Adam's form) or own (its own RMS: the term's size is fixed at (1 - omega) of the step)",

@@ -101,7 +101,7 @@ class LowRankMuon(LowRankQHAdam):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
                  adjust_lr_fn: str = "match_rms_adamw", ns_dtype: torch.dtype = torch.bfloat16,
-                 qh_scale: str = "own", betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
+                 qh_scale: str = "momentum", betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
         for key in ("batched", "compile"):
             if options.get(key):
                 raise ValueError(f"{key}={options[key]!r}: LowRankMuon runs per matrix; leave {key} out")
