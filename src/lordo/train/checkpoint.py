@@ -345,7 +345,7 @@ ADDED_FIELDS = {
     ("optim", "muon_ns_steps"): 5,
     ("optim", "muon_adjust_lr"): "match_rms_adamw",
     ("optim", "muon_ns_dtype"): "bfloat16",
-    ("optim", "muon_qh_scale"): "own",  # LoRDO's Muon form divided its full-rank term by its own RMS before
+    ("optim", "muon_qh_scale"): "own",  # what LoRDO's Muon form did before the setting existed
     # read only with strategy.compress = sparse or basis, which an older run cannot have
     ("strategy", "compress_dense"): "int8",
     ("strategy", "compress_density"): 1 / 64,
