@@ -120,6 +120,10 @@ def test_one_worker_ddp_with_muon_is_torchs_muon_and_adamw():
     (['strategy.name="lordo"', 'strategy.lowrank_term="momentum"'], r"leave optim.compile_step = false and strategy.lowrank_term"),
     (['strategy.name="local-adam"', 'strategy.average_moments="all"'], r"Muon's matrices do not have"),
     (['strategy.name="ddp"', 'optim.muon_adjust_lr="rms"'], r"optim.muon_adjust_lr must be one of"),
+    (['strategy.name="local-adam"', "dist.shard=true", "dist.ranks_per_worker=2", 'dist.backend="gloo"'],
+     r"dist.shard = true does not take optim.inner = \"muon\""),
+    (['strategy.name="lordo"', "dist.shard=true", "dist.ranks_per_worker=2", 'dist.backend="gloo"'],
+     r"dist.shard = true does not take optim.inner = \"muon\""),
 ])
 def test_muon_settings_that_cannot_work_are_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):

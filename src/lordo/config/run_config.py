@@ -122,6 +122,10 @@ class Config:
                               f"lordo-global-noqh), not {self.strategy.name!r}")
         if self.train.compile or self.train.precision == "fp16-mixed":
             raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
+        if self.optim.inner == "muon":
+            raise ConfigError("dist.shard = true does not take optim.inner = \"muon\": Newton-Schulz orthogonalises a whole "
+                              "matrix, and each rank holds only a shard of its rows; use optim.inner = \"adam\" with "
+                              "dist.shard, or dist.shard = false with Muon")
         if self.optim.compile_step:
             raise ConfigError("dist.shard = true steps each matrix's shard on its own (the per-matrix path): "
                               "optim.compile_step = true would not apply; leave it false")
