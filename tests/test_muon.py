@@ -268,6 +268,25 @@ def test_the_muon_form_refuses_what_it_does_not_do():
         LowRankMuon([{"params": [w], "rank": 2}], adjust_lr_fn="rms")
 
 
+def test_both_muon_optimizers_refuse_matrices_sharded_by_fsdp2():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        b = nn.Parameter(torch.zeros(4))
+        with pytest.raises(ValueError, match=r"MuonAdamW does not take Muon matrices sharded by FSDP2"):
+            MuonAdamW([{"params": [w], "muon": True}, {"params": [b], "muon": False}])
+        with pytest.raises(ValueError, match=r"LowRankMuon does not take parameters sharded by FSDP2"):
+            LowRankMuon([{"params": [w], "rank": 2}])
+        MuonAdamW([{"params": [nn.Parameter(torch.randn(8, 4))], "muon": True}, {"params": [b], "muon": False}])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_lordo_with_the_muon_form_trains_workers_that_agree_after_each_synchronisation():
     replicas = [make(), make()]
     opt = lordo.distributed(replicas, "lordo", inner="muon", rank=4, sync_every=3, backend="sim")

@@ -22,6 +22,7 @@ import torch
 
 from .functional import takes_fused_adamw
 from .muon import muon_scale, newton_schulz
+from .sharded import is_sharded
 
 ADJUST_LR = ("original", "match_rms_adamw")
 NS_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -124,6 +125,10 @@ class MuonAdamW(torch.optim.Optimizer):
             if not isinstance(g.get("muon"), bool):
                 raise ValueError(f"every group needs \"muon\": True or False, got {g.get('muon')!r}")
         matrices = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g["muon"]]
+        if any(is_sharded(p) for g in matrices for p in g["params"]):
+            raise ValueError("MuonAdamW does not take Muon matrices sharded by FSDP2: Newton–Schulz orthogonalises a "
+                             "whole matrix and a rank holds only a shard; use AdamW (optim.inner = \"adam\") with "
+                             "sharded workers")
         others = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g["muon"]]
         if not matrices or not others:
             raise ValueError("MuonAdamW needs groups of both kinds (\"muon\": True and False); for one kind use "
