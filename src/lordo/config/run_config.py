@@ -124,8 +124,8 @@ class Config:
             raise ConfigError("dist.shard = true does not take train.compile = true or train.precision = \"fp16-mixed\"")
         if self.optim.inner == "muon":
             raise ConfigError("dist.shard = true does not take optim.inner = \"muon\": Newton-Schulz orthogonalises a whole "
-                              "matrix, and each rank holds only a shard of its rows; use optim.inner = \"adam\" with "
-                              "dist.shard, or dist.shard = false with Muon")
+                              "matrix, and each rank holds only a shard of its rows; use optim.inner = \"auto\" (Adam) "
+                              "with dist.shard, or dist.shard = false with Muon")
         if self.optim.compile_step:
             raise ConfigError("dist.shard = true steps each matrix's shard on its own (the per-matrix path): "
                               "optim.compile_step = true would not apply; leave it false")

@@ -127,7 +127,7 @@ class MuonAdamW(torch.optim.Optimizer):
         matrices = [{k: v for k, v in g.items() if k != "muon"} for g in groups if g["muon"]]
         if any(is_sharded(p) for g in matrices for p in g["params"]):
             raise ValueError("MuonAdamW does not take Muon matrices sharded by FSDP2: Newton–Schulz orthogonalises a "
-                             "whole matrix and a rank holds only a shard; use AdamW (optim.inner = \"adam\") with "
+                             "whole matrix and a rank holds only a shard; use AdamW (optim.inner = \"auto\") with "
                              "sharded workers")
         others = [{k: v for k, v in g.items() if k != "muon"} for g in groups if not g["muon"]]
         if not matrices or not others:
