@@ -3,6 +3,7 @@ Muon and AdamW stepped side by side, through lordo.distributed, and the settings
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -268,23 +269,40 @@ def test_the_muon_form_refuses_what_it_does_not_do():
         LowRankMuon([{"params": [w], "rank": 2}], adjust_lr_fn="rms")
 
 
-def test_both_muon_optimizers_refuse_matrices_sharded_by_fsdp2():
+def _sharded_refusals():
+    """In a gloo process of its own (a process group left in pytest's process would hang a later fork):
+    each Muon optimizer given a DTensor matrix, the error it raises; and MuonAdamW given a plain one."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo")
     try:
         mesh = init_device_mesh("cpu", (1,))
         w = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
         b = nn.Parameter(torch.zeros(4))
-        with pytest.raises(ValueError, match=r"MuonAdamW does not take Muon matrices sharded by FSDP2.*optim.inner = \"auto\""):
-            MuonAdamW([{"params": [w], "muon": True}, {"params": [b], "muon": False}])
-        with pytest.raises(ValueError, match=r"LowRankMuon does not take parameters sharded by FSDP2"):
-            LowRankMuon([{"params": [w], "rank": 2}])
+        errors = []
+        for build in (lambda: MuonAdamW([{"params": [w], "muon": True}, {"params": [b], "muon": False}]),
+                      lambda: LowRankMuon([{"params": [w], "rank": 2}])):
+            try:
+                build()
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
         MuonAdamW([{"params": [nn.Parameter(torch.randn(8, 4))], "muon": True}, {"params": [b], "muon": False}])
+        return errors
     finally:
         dist.destroy_process_group()
+
+
+def test_both_muon_optimizers_refuse_matrices_sharded_by_fsdp2():
+    from harness import run_gloo
+
+    status, errors = run_gloo(_sharded_refusals, 1)[0]
+    assert status == "ok", errors
+    adamw, lowrank = errors
+    assert re.search(r"MuonAdamW does not take Muon matrices sharded by FSDP2.*optim.inner = \"auto\"", adamw or "")
+    assert re.search(r"LowRankMuon does not take parameters sharded by FSDP2", lowrank or "")
 
 
 def test_lordo_with_the_muon_form_trains_workers_that_agree_after_each_synchronisation():
