@@ -57,14 +57,19 @@ def test_a_bad_device_is_refused_by_name(capsys):
         assert f"--device must be cpu, cuda or cuda:N, got {bad!r}" in capsys.readouterr().err
 
 
-def test_the_memory_benchmark_keeps_the_committed_table_for_its_default_shapes(tmp_path, monkeypatch, capsys):
+def test_the_memory_benchmark_prints_unless_asked_to_write_and_measures_what_it_accounts(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["bench", "memory", "--shapes", "nano"]) == 0
-    written = list((tmp_path / "benchmarks" / "results").iterdir())
-    assert [p.name for p in written] == ["memory-nano.json"]  # not memory.json, the default shapes' table
-    rows = json.loads(written[0].read_text())["rows"]
+    assert main(["bench", "memory", "--shapes", "nano", "--no-peers"]) == 0
+    assert list(tmp_path.iterdir()) == []  # printed only: nothing written into the working directory
+    assert "| nano  | lordo " in capsys.readouterr().out
+    assert main(["bench", "memory", "--shapes", "nano", "--no-peers", "--json", "mine.json"]) == 0
+    rows = json.loads((tmp_path / "mine.json").read_text())["rows"]
     plain = next(r for r in rows if r["name"] == "lordo")
-    assert plain["shape"] == "nano" and plain["device_bytes"] > 0
+    assert plain["shape"] == "nano" and plain["device_bytes"] == plain["measured_bytes"] > 0
+    for r in rows:  # the accounting from shapes agrees with the tensors (step counters aside)
+        assert r["accounted_bytes"] == pytest.approx(r["measured_bytes"], rel=0.02), r["name"]
+    lean = next(r for r in rows if r["name"].startswith("lordo, lean (int8"))
+    assert lean["measured_bytes"] < 0.6 * plain["measured_bytes"]
 
 
 def test_host_overhead_benchmark_compares_source_trees(tmp_path):

@@ -245,16 +245,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.comm.ledger
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of optimizer state one worker holds (a rank, for a model sharded over the worker's ranks), by
-        category (``... (host)``: kept in host memory), with
-        ``total``, ``device_total`` (on the training device) and ``adamw`` (two fp32 moments of every trained
-        parameter: what ``torch.optim.AdamW`` would hold) for comparison."""
-        report = dict(self.strategy.state_bytes())
-        report["total"] = sum(report.values())
-        report["device_total"] = report["total"] - sum(v for k, v in report.items() if k.endswith("(host)"))
+        """Bytes of optimizer state one worker holds (a rank, for a model sharded over the worker's ranks), measured
+        from the live tensors of its inner optimizer and of the strategy (each storage once), by category
+        (``... (host)``: kept in host memory), with ``total``, ``device_total`` (on the training device) and
+        ``adamw`` (two fp32 moments of every trained parameter: what ``torch.optim.AdamW`` would hold) for
+        comparison. Optimizers allocate state at their first step: before it, their moments are not there yet.
+        :meth:`accounted_memory` gives the figures computed from shapes and settings."""
+        from .strategies.footprint import report
+
+        return report(self.strategy.measured_state_bytes(), self._adamw_bytes())
+
+    def accounted_memory(self) -> dict[str, int]:
+        """:meth:`memory_report`'s categories as computed from the shapes and storage settings (what the state holds
+        after the first step), without reading the tensors."""
+        from .strategies.footprint import report
+
+        return report(self.strategy.state_bytes(), self._adamw_bytes())
+
+    def _adamw_bytes(self) -> int:
         # per rank of a sharded model: its shards
-        report["adamw"] = 2 * 4 * sum(t.numel() for t in self.strategy.workers[0].tensors)
-        return report
+        return 2 * 4 * sum(t.numel() for t in self.strategy.workers[0].tensors)
 
     def comm_report(self) -> dict[str, Any]:
         """Bytes per worker so far, against what DDP would have needed for the same steps (the full gradient

@@ -10,7 +10,8 @@ import torch
 
 from ..errors import ConfigError
 from .basis import basis_benchmark
-from .runs import STRATEGIES, memory_benchmark, runs_benchmark, wire_benchmark
+from .memory import memory_benchmark, within
+from .runs import STRATEGIES, runs_benchmark, wire_benchmark
 from .step import step_benchmark
 from .timing import print_table, write_json
 
@@ -39,9 +40,12 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--preset", default="micro", help="model shape preset (default micro)")
     w.add_argument("--rank", type=int, default=16, help="r (default 16)")
     w.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
-    m = sub.add_parser("memory", help="optimizer-related device memory against AdamW's, at r = min(p, q)/8")
+    m = sub.add_parser("memory", help="optimizer state of every strategy and the peer optimizers, measured from the live "
+                       "tensors after real steps, against AdamW's (r = min(p, q)/8)")
     m.add_argument("--shapes", default="micro,paper-16m,d768x12",
                    help="comma-separated presets or dMODELxLAYERS shapes (vocabulary 32000 for the latter)")
+    m.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; on cuda the allocator's growth is read too)")
+    m.add_argument("--no-peers", action="store_true", help="leave out AdamW, 8-bit AdamW and the GaLore peers")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro", help="model shape preset (default micro)")
     r.add_argument("--steps", type=int, default=64, help="training steps per run (default 64)")
@@ -55,7 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     k = add_link(sub)
     for q in (s, b, w, m, r, k):
-        q.add_argument("--json", metavar="FILE", help="where to write the numbers (default benchmarks/results/<bench>.json)")
+        q.add_argument("--json", metavar="FILE", help="also write the numbers to FILE (JSON); without it they are printed only")
         q.add_argument("--data-dir", default="data", help="data folder (default ./data)")
     return ap
 
@@ -79,12 +83,10 @@ def main(argv: list[str]) -> int:
     if args.what == "step":
         res = step_benchmark(args.preset, args.rank, args.rounds, device, args.d_model, args.layers, not args.no_peers,
                              compiled=args.compiled)
-        shape = args.preset if not args.d_model else f"d{args.d_model}"
-        write_json(out or Path(f"benchmarks/results/step-{shape}-{device.type}.json"), res)
+        _write(out, res)
     elif args.what == "basis":
         res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
-        suffix = "" if device.type == "cpu" else f"-{device.type}"
-        write_json(out or Path(f"benchmarks/results/basis-{args.preset}{suffix}.json"), res)
+        _write(out, res)
     elif args.what == "memory":
         shapes: list[tuple[str, int | None, int | None]] = []
         for item in (x for x in args.shapes.split(",") if x):
@@ -93,14 +95,17 @@ def main(argv: list[str]) -> int:
                 shapes.append(("micro", int(d), int(layers)))
             else:
                 shapes.append((item, None, None))
-        res = memory_benchmark(shapes)
-        print_table("optimizer-related bytes on the training device, one worker, r = min(p, q)/8", res["rows"],
-                    [("shape", "shape", "s"), ("params", "params", ","), ("name", "state", "s"),
-                     ("device_bytes", "device bytes", ","), ("device_vs_adamw", "× AdamW", ".2f")])
-        # the committed table is the default shapes'; another selection gets a file of its own
-        default = args.shapes == make_parser().parse_args(["memory"]).shapes
-        name = "memory" if default else "memory-" + "-".join(x for x in args.shapes.split(",") if x)
-        write_json(out or Path(f"benchmarks/results/{name}.json"), res)
+        res = memory_benchmark(shapes, device, peers=not args.no_peers, log=lambda m: print(m, file=sys.stderr, flush=True))
+        columns = [("shape", "shape", "s"), ("name", "optimizer", "s"), ("measured_bytes", "measured B", ","),
+                   ("accounted_bytes", "accounted B", ","), ("total_vs_adamw", "× AdamW", ".2f"),
+                   ("device_vs_adamw", "on device × AdamW", ".2f")]
+        if device.type == "cuda":
+            columns += [("cuda_allocated_growth", "allocator growth B", ","), ("cuda_measured_hosted", "measured, both workers B", ",")]
+        print_table("optimizer state one worker holds, measured from its tensors after real steps (r = min(p, q)/8)",
+                    res["rows"], columns)
+        off = within(res["rows"])
+        if off:
+            print(f"accounted and measured differ by more than 2 %: {', '.join(off)}", file=sys.stderr)
     elif args.what == "wire":
         worlds = tuple(int(x) for x in args.workers.split(",") if x)
         if not worlds or min(worlds) < 2:
@@ -110,7 +115,7 @@ def main(argv: list[str]) -> int:
                     "wire model of gloo's collectives)", res["rows"],
                     [("workers", "M", "d"), ("name", "strategy", "s"), ("wire_per_step", "sent B/step", ",.0f"),
                      ("payload_per_step", "payload B/step", ",.0f"), ("less_than_ddp", "× less than ddp", ".1f")])
-        write_json(out or Path(f"benchmarks/results/wire-{args.preset}.json"), res)
+        _write(out, res)
     else:
         import tempfile
 
@@ -126,5 +131,14 @@ def main(argv: list[str]) -> int:
                                   ("rss_ratio", "× ddp", ".2f"), ("tokens_per_s", "tokens/s", ",.0f"),
                                   ("tokens_per_s_ratio", "× ddp", ".2f"), ("comm_bytes_per_step", "bytes/step", ",.0f"),
                                   ("bytes_less", "× less than ddp", ".1f")])
-        write_json(out or Path(f"benchmarks/results/runs-{args.preset}.json"), res)
+        _write(out, res)
+    if args.what == "memory":
+        _write(out, res)
     return 0
+
+
+def _write(out: Path | None, res: dict) -> None:
+    """The numbers into ``--json FILE`` if given (a benchmark writes nothing into the checkout on its own)."""
+    if out is not None:
+        write_json(out, res)
+        print(f"wrote {out}", file=sys.stderr)

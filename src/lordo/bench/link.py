@@ -268,9 +268,10 @@ def main(args: argparse.Namespace, out: Path | None, write_json, print_table) ->
     print_table(f"{args.model}, {args.workers} gloo workers in a throttled namespace (one shared medium), K = "
                 f"{args.sync_every}, r = {args.rank}; steady state: between the first and the last sync step",
                 res["rows"], COLUMNS)
-    path = out or Path(f"benchmarks/results/link-{args.model}.json")
-    picture = plot(res["rows"], args.plot_rate, path.with_name(path.stem + f"-{args.plot_rate:g}mbit.png"))
+    if out is None:  # printed only: a benchmark writes nothing into the checkout unless asked (--json)
+        return
+    picture = plot(res["rows"], args.plot_rate, out.with_name(out.stem + f"-{args.plot_rate:g}mbit.png"))
     if picture:
         res["plot"] = str(picture)
         print(f"wrote {picture}")
-    write_json(path, res)
+    write_json(out, res)

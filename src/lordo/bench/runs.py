@@ -1,5 +1,5 @@
-"""``lordo bench runs|memory|wire``: memory, throughput and bytes of short training runs (child processes), device
-memory by shape, steady-state bytes on the wire."""
+"""``lordo bench runs|wire``: memory, throughput and bytes of short training runs (child processes), steady-state
+bytes on the wire."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ..config import build_config
-from .step import shape_overrides
 from .timing import machine
 
 
@@ -66,37 +65,6 @@ def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size:
         r["rss_ratio"] = (r["peak_rss_bytes"] / ref["peak_rss_bytes"]) if r.get("peak_rss_bytes") and ref.get("peak_rss_bytes") else None
         r["bytes_less"] = 1 / r["comm_ratio"] if r["comm_ratio"] else None
     return {"preset": preset, "steps": steps, "rank": rank, "workers": workers, "batch_size": batch_size, "rows": rows}
-
-
-MEMORY_CASES: tuple[tuple[str, list[str]], ...] = (
-                ("lordo", []), ("lordo, bf16 error feedback", ['strategy.error_feedback_dtype="bfloat16"']),
-                ("lordo, bf16 error feedback, anchor in host memory",
-                 ['strategy.error_feedback_dtype="bfloat16"', "strategy.offload_anchor=true"]))
-
-
-def memory_benchmark(shapes: list[tuple[str, int | None, int | None]]) -> dict[str, Any]:
-    """Optimizer-related bytes one worker keeps on the training device (moments, bases, error feedback,
-    anchor, ...), against AdamW's two fp32 moments, at r = min(p, q)/8 of each shape's block matrices.
-    Counted from the state's shapes (``memory_report``): the same on any device."""
-    from ..api import DistributedOptimizer
-    from ..comm import SimCommunicator
-    from ..model import build_model
-
-    rows = []
-    for preset, d_model, layers in shapes:
-        overrides = shape_overrides(preset, d_model, layers)
-        base = build_config(overrides=overrides)
-        vocab = 4096 if d_model is None else 32000
-        rank = base.model.d_model // 8  # min(p, q) of every block matrix is d_model
-        model = build_model(base, vocab)
-        label = preset if d_model is None else f"d{d_model} x {layers} layers"
-        for name, extra in MEMORY_CASES:
-            cfg = build_config(overrides=[*overrides, f"strategy.rank={rank}", *extra])
-            report = DistributedOptimizer([model], cfg, SimCommunicator(1)).memory_report()
-            rows.append({"shape": label, "params": model.num_params(), "rank": rank, "name": name,
-                         "device_bytes": report["device_total"], "adamw_bytes": report["adamw"],
-                         "device_vs_adamw": report["device_total"] / report["adamw"], "by_category": report})
-    return {"machine": machine(), "rows": rows}
 
 
 WIRE_CASES: tuple[tuple[str, str, tuple[str, ...]], ...] = (

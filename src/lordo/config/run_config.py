@@ -18,6 +18,7 @@ from .sections import (
     ScheduleConfig,
     StrategyConfig,
     TrainConfig,
+    outer_settings,
 )
 
 
@@ -54,6 +55,7 @@ class Config:
             )
         if self.strategy.compress in ("sparse", "basis"):
             self._check_sparse()
+        self._check_storage()
         if self.optim.inner == "muon":
             self._check_muon()
         if self.dist.backend == "torchft":
@@ -87,6 +89,31 @@ class Config:
             raise ConfigError(f"strategy.compress = {s.compress!r} encodes each worker's whole pseudo-gradient; workers of "
                               "several ranks (dist.ranks_per_worker > 1) exchange shards: use compress = none, bf16, int8 "
                               "or int4")
+
+    def _check_storage(self) -> None:
+        """How the state is stored (anchor_dtype, moments_dtype, error_feedback_dtype): where each applies."""
+        s = self.strategy
+        if s.anchor_dtype != "float32":
+            if s.name in ("ddp", "lowrank-ddp"):
+                raise ConfigError(f"strategy.anchor_dtype applies to the local-update strategies, which keep an anchor; "
+                                  f"{s.name!r} has none (leave it float32)")
+            if outer_settings(s) != (1.0, 0.0):
+                raise ConfigError(f"strategy.anchor_dtype = {s.anchor_dtype!r} is exact only with plain averaging "
+                                  "(outer_lr = 1, outer_momentum = 0; diloco has 0.7 and 0.9): an outer momentum would carry "
+                                  "the anchor's rounding into the model. Use anchor_dtype = \"float32\" there")
+        if s.moments_dtype != "float32" and s.name in ("ddp", "local-adam", "diloco"):
+            raise ConfigError(f"strategy.moments_dtype = {s.moments_dtype!r} applies to LoRDO's inner optimizer (lordo, "
+                              f"lordo-global-noqh, lordo-local, lowrank-ddp); {s.name!r} runs torch's AdamW")
+        if s.error_feedback_dtype in ("int8", "int4"):
+            if self.optim.compile_step:
+                raise ConfigError(f"strategy.error_feedback_dtype = {s.error_feedback_dtype!r} steps each matrix alone; "
+                                  "optim.compile_step = true compiles the batched step: leave it false")
+            if s.average_error_feedback:
+                raise ConfigError(f"strategy.average_error_feedback averages E in place, which error_feedback_dtype = "
+                                  f"{s.error_feedback_dtype!r} holds compact: use float32 or bfloat16 with it")
+        if s.moments_dtype != "float32" and s.average_moments == "all":
+            raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
+                              "moments_dtype = \"int8\" holds compact: use average_moments = auto or lowrank")
 
     def _check_muon(self) -> None:
         if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)

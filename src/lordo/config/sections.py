@@ -275,9 +275,18 @@ class StrategyConfig(_Section):
                                 "coefficients, or through the sparse codec", _choice("dense", "sparse"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
-    error_feedback_dtype: str = _f("float32", "dtype of the low-rank projections' error-feedback buffers (the largest "
-                                   "state LoRDO keeps): float32, or bfloat16 to halve it",
-                                   _choice("float32", "bfloat16"))
+    error_feedback_dtype: str = _f("float32", "storage of the low-rank projections' error-feedback buffers (the largest "
+                                   "state LoRDO keeps): float32, bfloat16 (half), int8 or int4 (8 or 4 bits per element "
+                                   "with a scale per block: about a quarter or an eighth; the step computes in float32)",
+                                   _choice("float32", "bfloat16", "int8", "int4"))
+    moments_dtype: str = _f("float32", "storage of the full-rank parameters' Adam moments (embedding, head, norms) in "
+                            "LoRDO's inner optimizer (lordo, lordo-global-noqh, lordo-local, lowrank-ddp): float32 or int8 "
+                            "(8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; tensors under 4,096 "
+                            "elements stay float32)", _choice("float32", "int8"))
+    anchor_dtype: str = _f("float32", "storage of the anchor (the model at the last synchronisation, local-update "
+                           "strategies): float32, bfloat16 or int8 (with plain averaging the new model is computed in "
+                           "float32 and the anchor's rounding never reaches it; docs/concepts.md)",
+                           _choice("float32", "bfloat16", "int8"))
     offload_anchor: bool = _f(False, "keep the anchor (the model at the last synchronisation) in host memory, pinned "
                               "when a GPU is present, instead of on the training device (local-update strategies)")
     sync_buffers: bool = _f(True, "average the models' persistent buffers (BatchNorm statistics, ...) over the workers "
@@ -290,6 +299,18 @@ class StrategyConfig(_Section):
             re.compile(self.lowrank_pattern)
         except re.error as exc:
             raise ConfigError(f"strategy.lowrank_pattern is not a valid regular expression: {exc}") from None
+
+
+DILOCO_OUTER = (0.7, 0.9)  # DiLoCo's outer learning rate and Nesterov momentum
+
+
+def outer_settings(s: StrategyConfig) -> tuple[float, float]:
+    """(outer_lr, outer_momentum): as set; for ``diloco`` left at the generic defaults (1, 0: averaging),
+    DiLoCo's (0.7, 0.9)."""
+    if s.name == "diloco" and (s.outer_lr, s.outer_momentum) == (1.0, 0.0):
+        return DILOCO_OUTER
+    return s.outer_lr, s.outer_momentum
+
 
 
 @dataclass(kw_only=True)

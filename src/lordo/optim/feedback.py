@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import compact
 from .lowrank import project, project_with_feedback, remove_projection
 from .subspace import Side
 
@@ -57,12 +58,14 @@ def mode(state: dict) -> tuple[bool, bool]:
 
 
 def project_each(grads: Sequence[torch.Tensor], states: Sequence[dict], bases: Sequence[torch.Tensor],
-                 sides: Sequence[Side], inside: Sequence[bool]) -> list[torch.Tensor]:
+                 sides: Sequence[Side], inside: Sequence[bool], defer: Sequence[bool] | None = None) -> list[torch.Tensor]:
     """g = proj(G + E) of each matrix, E updated: a deferred buffer adds G, another one takes the projection out
     (E ← A − back(g)) and is deferred from then on where it can be. ``inside[i]``: whether matrix i keeps proj(S)
-    once deferred (:func:`keeps_inside`)."""
+    once deferred (:func:`keeps_inside`); ``defer[i]`` False: never defer matrix i (a buffer held compact between
+    steps, optim/compact.py, holds E itself)."""
     out = []
-    for grad, state, basis, side, keep in zip(grads, states, bases, sides, inside, strict=True):
+    defer = [True] * len(grads) if defer is None else defer
+    for grad, state, basis, side, keep, may in zip(grads, states, bases, sides, inside, defer, strict=True):
         basis = basis if basis.dtype == grad.dtype else basis.to(grad.dtype)
         if state.get(DEFERRED):
             # S += G/factor right before G is projected, matrix by matrix: G is read twice while it is in cache
@@ -74,7 +77,7 @@ def project_each(grads: Sequence[torch.Tensor], states: Sequence[dict], bases: S
             continue
         error = state.get("error_feedback")
         out.append(project_with_feedback(grad, error, basis, side))
-        if error is not None and deferrable(error, grad.dtype):
+        if may and error is not None and deferrable(error, grad.dtype):
             begin(state, torch.zeros_like(out[-1]) if keep else None)
     return out
 
@@ -141,9 +144,9 @@ def settled_copy(state: dict, side: Side) -> torch.Tensor | None:
 
 
 def forget(state: dict) -> None:
-    """E = 0 (a deferred buffer stays deferred: zero lies outside every subspace)."""
+    """E = 0 (a deferred buffer stays deferred: zero lies outside every subspace; a compact one: its scales zero)."""
     state.pop(SCALE, None)
-    for key in ("error_feedback", INSIDE):
+    for key in ("error_feedback", INSIDE, "error_feedback" + compact.SCALE):
         if key in state:
             state[key].zero_()
 

@@ -172,6 +172,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
         return {"muon_momentum": size(self.muon.param_groups, 1), "full_rank_moments": size(self.adamw.param_groups, 2)}
 
+    def state_category(self, p: torch.Tensor, path: list[str]) -> str:
+        """The category of ``p``'s state entry at ``path``, as :meth:`state_bytes` names them."""
+        return "muon_momentum" if path and path[0] == "momentum_buffer" else "full_rank_moments"
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's format over all groups (Muon's first), split between the inner optimizers."""
         groups = state_dict["param_groups"]

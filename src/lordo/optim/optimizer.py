@@ -21,13 +21,14 @@ from collections.abc import Iterable
 
 import torch
 
-from . import feedback
+from . import compact, compact_step, feedback
+from .compact import is_compact
 from .functional import lowrank_qh_adam, qh_adam_update_many
 from .lowrank import rotate_moments
-from .options import EXECUTION, check_group
+from .options import EXECUTION, STORAGE, check_group
 from .plan import Planner
 from .sharded import local, whole
-from .state import Lists, ensure_state, group_lists, init_lowrank, restore_saved_dtypes, state_bytes, tensor_steps
+from .state import Lists, compact_formats, conform, ensure_state, group_lists, init_lowrank, restore_saved_dtypes, state_bytes, tensor_steps
 from .subspace import Side, grad_of, side_of, subspace_iteration_basis, svd_basis
 
 # a basis that no one changed for this many steps, with update_proj_gap = None, is probably a forgotten refresh
@@ -109,7 +110,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         error_feedback: bool = True,
         qh_source: str = "grad+error",
         basis_method: str = "svd",
-        error_feedback_dtype: torch.dtype | None = None,
+        error_feedback_dtype: torch.dtype | str | None = None,
         error_feedback_after_qh: str = "remove",
         basis_iterations: int = 1,
         batched: bool | None = None,
@@ -118,6 +119,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
         update_proj_gap: int | None = None,
         scale: float = 1.0,
         proj_type: str = "std",
+        moments_dtype: str | None = None,
         *,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -131,7 +133,7 @@ class LowRankQHAdam(torch.optim.Optimizer):
             error_feedback_dtype=error_feedback_dtype, error_feedback_after_qh=error_feedback_after_qh,
             basis_iterations=basis_iterations, batched=batched, compile=compile, lowrank_term=lowrank_term,
             # GaLore's keys (options.py): as defaults for every group too
-            update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type,
+            update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, moments_dtype=moments_dtype,
             # torch.optim's flags, checked by name (options.TORCH_FLAGS): foreach is a no-op (multi-tensor ops are
             # used anyway), the others are refused unless off
             foreach=foreach, fused=fused, maximize=maximize, capturable=capturable, differentiable=differentiable,
@@ -146,6 +148,12 @@ class LowRankQHAdam(torch.optim.Optimizer):
         self._planner = Planner()  # how the step runs its parameters, kept while it holds (optim/plan.py)
         self._bases_changed = False  # has any basis changed (else a warning after FIXED_BASIS_WARNING_STEPS)
         self._warned_fixed_basis = False
+        self._positions: dict[int, int] = {}  # a parameter's place in the optimizer: seeds its stochastic rounding
+
+    def _position(self, p: torch.Tensor) -> int:
+        if id(p) not in self._positions:
+            self._positions = {id(q): i for i, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        return self._positions[id(p)]
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled optimizer: nothing kept is valid
         super().__setstate__(state)
@@ -282,14 +290,25 @@ class LowRankQHAdam(torch.optim.Optimizer):
             per_matrix = set(each)
             groups = [(group, [i for i in positions if i in per_matrix]) for group, positions in groups]
         for group, positions in groups:
-            if not positions:
-                continue
-            lists = self._init_group(group, [params[i] for i in positions], ensure=False)  # made just above
-            projected = feedback.project_each(lists.grads, lists.states, [s["basis"] for s in lists.states], lists.sides,
-                                              [feedback.keeps_inside(group)] * len(positions))
-            for i, g in zip(positions, projected):
-                out[i] = g
+            plain = [i for i in positions if not compact_formats(group, params[i])]
+            for i in positions:  # compact error feedback: one matrix at a time, E in float32 only meanwhile
+                if i not in plain:
+                    with self._expanded(group, params[i]):
+                        (out[i],) = self._project_each(group, [params[i]])
+            if plain:
+                for i, g in zip(plain, self._project_each(group, [params[i] for i in plain])):
+                    out[i] = g
         return out  # type: ignore[return-value]
+
+    def _project_each(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        lists = self._init_group(group, params, ensure=False)  # project_gradients made the state
+        defer = [not compact_formats(group, p) for p in params]  # a compact buffer is never a running sum
+        return feedback.project_each(lists.grads, lists.states, [s["basis"] for s in lists.states], lists.sides,
+                                     [feedback.keeps_inside(group)] * len(params), defer)
+
+    def _expanded(self, group: dict, p: torch.Tensor):
+        """``p``'s compact state in float32 inside the block (optim/compact_step.py)."""
+        return compact_step.expanded(self.state[p], group, p, self._position(p))
 
     @torch.no_grad()
     def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
@@ -303,8 +322,14 @@ class LowRankQHAdam(torch.optim.Optimizer):
             for rows in slices:
                 stack.apply(group, rows, torch.stack([gs[position[id(p)]] for p in stack.params[rows]]))
         for group, positions in self._planner.index(self.param_groups).by_group([params[i] for i in each]):
-            lists = self._init_group(group, [params[each[i]] for i in positions], ensure=False)  # project made it
-            self._apply_each(group, lists, [gs[each[i]] for i in positions])
+            plain = [i for i in positions if not compact_formats(group, params[each[i]])]
+            for i in positions:
+                if i not in plain:
+                    with self._expanded(group, params[each[i]]):
+                        self._apply_each(group, self._init_group(group, [params[each[i]]], ensure=False), [gs[each[i]]])
+            if plain:
+                lists = self._init_group(group, [params[each[i]] for i in plain], ensure=False)  # project made it
+                self._apply_each(group, lists, [gs[each[i]] for i in plain])
 
     def _apply_each(self, group: dict, lists: Lists, gs: list[torch.Tensor]) -> None:
         qh = [feedback.qh_input(s, g, grad) if group["qh_source"] == "grad+error" else (grad, None, 1.0)
@@ -324,12 +349,17 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def apply_full_rank(self, params: list[torch.Tensor]) -> None:
         """Full-rank QHAdam on ``params``, one multi-tensor call per parameter group."""
         for group, positions in self._planner.index(self.param_groups).by_group(params):
-            lists = self._init_group(group, [params[i] for i in positions])
             b1, b2 = group["betas"]
-            qh_adam_update_many(
-                lists.weights, lists.grads, [s["exp_avg"] for s in lists.states], [s["exp_avg_sq"] for s in lists.states],
-                [s["step"] for s in lists.states], lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
-                weight_decay=group["weight_decay"], omega=group["omega"])
+            update = functools.partial(qh_adam_update_many, lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+                                       weight_decay=group["weight_decay"], omega=group["omega"])
+            plain, held = compact_step.split(group, [params[i] for i in positions])
+            lists = self._init_group(group, [params[i] for i in positions])
+            if plain:
+                lists = self._init_group(group, plain, ensure=False)
+                update(lists.weights, lists.grads, [s["exp_avg"] for s in lists.states],
+                       [s["exp_avg_sq"] for s in lists.states], [s["step"] for s in lists.states])
+            for p in held:  # compact moments: chunk by chunk (optim/compact_step.py)
+                compact_step.full_rank_step(p, self.state[p], group, self._position(p), update)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -351,7 +381,13 @@ class LowRankQHAdam(torch.optim.Optimizer):
             if group["rank"] is None:
                 self.apply_full_rank(with_grad)
                 continue
-            self.apply_lowrank(with_grad, self.project_gradients(with_grad))
+            plain, held = compact_step.split(group, with_grad)
+            if plain:
+                self.apply_lowrank(plain, self.project_gradients(plain))
+            for p in held:  # one matrix at a time, its compact state in float32 through both halves of its step
+                ensure_state(group, [p], self.state, self._SECOND_MOMENT)
+                with self._expanded(group, p):
+                    self.apply_lowrank([p], self.project_gradients([p]))
         return loss
 
     # ---------------------------------------------------------------------------------------------------
@@ -362,6 +398,9 @@ class LowRankQHAdam(torch.optim.Optimizer):
         """The error-feedback buffer E of ``p`` itself (this rank's shard, if sharded), any deferred sum folded
         in first, so that changing it in place (averaging it over workers) changes E; None without one."""
         state = self.state.get(p, {})
+        if is_compact(state, "error_feedback"):
+            raise ValueError("this error feedback is held compact (error_feedback_dtype int8 or int4): it cannot be "
+                             "changed in place; read it with error_feedback(p)")
         if state.get("error_feedback") is None:
             return None
         feedback.settle(state, side_of(p.shape))
@@ -377,22 +416,41 @@ class LowRankQHAdam(torch.optim.Optimizer):
     def error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
         """The error-feedback buffer E of low-rank matrix ``p`` (None if it has none yet or error feedback is
         off). A copy when the buffer is deferred; reading it never changes the run."""
-        return feedback.settled_copy(self.state.get(p, {}), side_of(p.shape))
+        state = self.state.get(p, {})
+        if is_compact(state, "error_feedback"):
+            fmt = compact_formats(self._group_of(p), p)["error_feedback"]
+            return compact.load(state, "error_feedback", fmt, tuple(local(p).shape))
+        return feedback.settled_copy(state, side_of(p.shape))
 
     # ---------------------------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping each state tensor's saved dtype: torch casts them to their
         parameter's, which would round float32 bases and moments of a bf16 matrix to bf16 and turn a bf16
-        error-feedback buffer into float32. How the step runs (``batched``, ``compile``) stays this optimizer's
-        choice, not the saved one's: a checkpoint from a GPU run loads on a CPU as it was built there."""
-        how = [{key: g[key] for key in EXECUTION} for g in self.param_groups]
+        error-feedback buffer into float32. How the step runs (``batched``, ``compile``) and how the state is stored
+        (``error_feedback_dtype``, ``moments_dtype``) stay this optimizer's choice, not the saved one's: a checkpoint
+        from a GPU run loads on a CPU as it was built there, and a float32 state into a compact one (or back)."""
+        how = [{key: g[key] for key in (*EXECUTION, *STORAGE)} for g in self.param_groups]
         state_dict = tensor_steps(state_dict)
         super().load_state_dict(state_dict)
         for group, options in zip(self.param_groups, how, strict=True):
             group.update(options)
         restore_saved_dtypes(self.state, [p for g in self.param_groups for p in g["params"]], state_dict["state"])
+        for group in self.param_groups:  # a state saved in another storage (an older checkpoint): into this one's
+            for p in group["params"]:
+                if p in self.state:
+                    conform(self.state[p], group, p)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of state by category: low-rank moments, full-rank moments, bases, error feedback."""
+        """Bytes of state by category as the shapes and storage settings say (accounted: lordo.strategies.footprint
+        measures the tensors): low-rank moments, full-rank moments, bases, error feedback."""
         return state_bytes(self.param_groups, 2 if self._SECOND_MOMENT else 1)
+
+    def state_category(self, p: torch.Tensor, path: list[str]) -> str:
+        """The category of the state entry at ``path`` (its key first) of ``p``, as :meth:`state_bytes` names them."""
+        key = path[0].split(".")[0] if path else ""
+        if key in ("exp_avg", "exp_avg_sq", "momentum", "step"):  # the step counter goes with the moments
+            return "full_rank_moments" if self._group_of(p)["rank"] is None else "lowrank_moments"
+        if key in ("error_feedback", feedback.INSIDE):
+            return "error_feedback"
+        return "bases" if key == "basis" else "optimizer_other"

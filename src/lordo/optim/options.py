@@ -14,6 +14,7 @@ BASIS_METHODS = ("svd", "subspace")
 LOWRANK_TERMS = ("adam", "momentum")
 GALORE_PROJ_TYPES = ("std",)
 EXECUTION = ("batched", "compile")  # group options that choose how the step runs, not what it computes
+STORAGE = ("error_feedback_dtype", "moments_dtype")  # group options that choose how the state is stored
 
 # torch.optim's flags: what they ask for is refused by name where this optimizer does not do it (its kernels are
 # chosen by the group options batched / compile), accepted where it is a no-op
@@ -31,6 +32,7 @@ def check_group(group: dict) -> None:
     _check_torch_flags(group)
     _check_numbers(group)
     _check_galore_keys(group)
+    _check_storage(group)
     for key, allowed in _CHOICES.items():
         if group[key] not in allowed:
             raise ValueError(f"{key} must be one of {allowed}, got {group[key]!r}")
@@ -92,6 +94,26 @@ def _check_galore_keys(group: dict) -> None:
                          f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
 
 
+EF_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16, "int8", "int4")
+MOMENTS_DTYPES = (None, "float32", "int8")
+
+
+def _check_storage(group: dict) -> None:
+    """``error_feedback_dtype`` and ``moments_dtype``: how E and the full-rank moments are stored."""
+    ef = group.setdefault("error_feedback_dtype", None)
+    if ef not in EF_DTYPES:
+        raise ValueError(f"error_feedback_dtype must be one of None, torch.float32, torch.float64, torch.bfloat16, "
+                         f"torch.float16, 'int8' or 'int4', got {ef!r}")
+    moments = group.setdefault("moments_dtype", None)
+    if moments not in MOMENTS_DTYPES:
+        raise ValueError(f"moments_dtype must be None, 'float32' or 'int8' (the full-rank groups' Adam moments), got {moments!r}")
+    if moments == "float32":
+        group["moments_dtype"] = None
+    if isinstance(ef, str) and group.get("compile"):
+        raise ValueError(f"error_feedback_dtype={ef!r} steps each matrix alone (its E expanded meanwhile): compile=True "
+                         "compiles the batched step; leave compile=False")
+
+
 def _check_execution(group: dict) -> None:
     if group["batched"] not in (None, True, False):
         raise ValueError(f"batched must be None (batch the low-rank step on accelerators, not on the CPU), True or "
@@ -104,7 +126,8 @@ def _check_execution(group: dict) -> None:
 
 def runs_batched(group: dict, p: torch.Tensor, sharded: bool) -> bool:
     """Whether the low-rank step of ``p`` takes the batched path: the group's ``batched`` (None: on accelerators, or
-    when compiled); never for a sharded matrix."""
+    when compiled); never for a sharded matrix or compact error feedback (stepped one matrix at a time)."""
     choice = group.get("batched")  # absent in state dicts saved before it existed
     default = p.device.type != "cpu" or bool(group.get("compile"))
-    return (default if choice is None else choice) and not sharded
+    compact = isinstance(group.get("error_feedback_dtype"), str) and group["error_feedback"]
+    return (default if choice is None else choice) and not sharded and not compact

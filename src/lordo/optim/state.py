@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import feedback
+from . import compact, feedback
 from .options import check_dense
 from .sharded import is_sharded, local, sum_over_shards, whole
 from .subspace import Side, grad_of, side_of, svd_basis
@@ -54,7 +54,7 @@ def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping,
     for p in params:
         check_dense(p)
         if group["rank"] is None and "step" not in state[p]:
-            init_full_rank(state[p], p)
+            init_full_rank(state[p], p, group)
         elif group["rank"] is not None and "basis" not in state[p]:
             basis = svd_basis(whole(p, grad_of(p)), group["rank"])
             if basis is None:
@@ -62,11 +62,35 @@ def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping,
             init_lowrank(state[p], p, group, basis, second_moment)
 
 
-def init_full_rank(state: dict, p: torch.Tensor) -> None:
+MOMENT_FORMATS = {"exp_avg": compact.INT8, "exp_avg_sq": compact.UINT8}  # moments_dtype = "int8"
+
+
+def ef_format(group: dict) -> compact.Format | None:
+    """The compact format of ``group``'s error feedback (``error_feedback_dtype`` int8 or int4), else None."""
+    dtype = group.get("error_feedback_dtype")
+    return compact.BY_NAME[dtype] if isinstance(dtype, str) else None
+
+
+def compact_formats(group: dict, p: torch.Tensor) -> dict[str, compact.Format]:
+    """The state entries of ``p`` that ``group`` holds compact (none for tensors too small to gain)."""
+    if not compact.worth_compacting(local(p).numel()):
+        return {}
+    if group["rank"] is None:
+        return dict(MOMENT_FORMATS) if group.get("moments_dtype") == "int8" else {}
+    fmt = ef_format(group)
+    return {"error_feedback": fmt} if fmt is not None and group["error_feedback"] else {}
+
+
+def init_full_rank(state: dict, p: torch.Tensor, group: dict | None = None) -> None:
     state["step"] = torch.zeros((), dtype=torch.float32)
     # float32 moments for a bf16/fp16 parameter: Adam's g² and ε underflow in half precision
-    state["exp_avg"] = torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32))
-    state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+    zeros = torch.zeros_like(local(p), dtype=torch.promote_types(p.dtype, torch.float32))
+    formats = compact_formats(group, p) if group is not None else {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in formats:
+            compact.store(state, key, zeros, formats[key], seed=0)
+        else:
+            state[key] = zeros if key == "exp_avg" else torch.zeros_like(zeros)
 
 
 def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor, second_moment: bool = True) -> None:
@@ -82,7 +106,46 @@ def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor,
     if second_moment:
         state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
     if group["error_feedback"]:
-        state["error_feedback"] = torch.zeros_like(p, dtype=group.get("error_feedback_dtype") or p.dtype)
+        fmt = compact_formats(group, p).get("error_feedback")
+        if fmt is not None:
+            compact.store(state, "error_feedback", torch.zeros_like(p, dtype=torch.float32), fmt)
+        else:  # float32 for a compact format's tensor too small to gain (optim/compact.py)
+            dtype = group.get("error_feedback_dtype")
+            state["error_feedback"] = torch.zeros_like(p, dtype=dtype if isinstance(dtype, torch.dtype) else
+                                                       (p.dtype if dtype is None else torch.promote_types(p.dtype, torch.float32)))
+
+
+def conform(state: dict, group: dict, p: torch.Tensor) -> None:
+    """``p``'s state in the storage ``group`` asks for: entries a checkpoint saved in float32 held compact, compact
+    ones expanded where the group keeps float32 (a run resumed with another ``moments_dtype`` or
+    ``error_feedback_dtype``; the values carry over, rounded to the new format)."""
+    wanted = compact_formats(group, p)
+    shape = tuple(local(p).shape)
+    for key in ("exp_avg", "exp_avg_sq", "error_feedback"):
+        if key in wanted and key in state and not compact.is_compact(state, key):
+            if key == "error_feedback":  # E itself, not a deferred running sum; on a copy (a loaded state can alias
+                state[key] = state[key].clone()  # the tensors of the state dict it came from)
+                feedback.settle(state, side_of(p.shape))
+            compact.store(state, key, state[key].float(), wanted[key], seed=0)
+        elif key not in wanted and compact.is_compact(state, key):
+            fmt = _saved_format(state, key, group)
+            state[key] = compact.load(state, key, fmt, shape)
+            state.pop(key + compact.CODES)
+            state.pop(key + compact.SCALE)
+    dtype = group.get("error_feedback_dtype")
+    if isinstance(dtype, torch.dtype) and isinstance(state.get("error_feedback"), torch.Tensor):
+        if state["error_feedback"].dtype != dtype:  # a buffer saved in another precision: into this run's
+            state["error_feedback"] = state["error_feedback"].clone()
+            feedback.settle(state, side_of(p.shape))
+            state["error_feedback"] = state["error_feedback"].to(dtype)
+
+
+def _saved_format(state: dict, key: str, group: dict) -> compact.Format:
+    """The format of a compact entry, from its key and its codes' size (int8 or int4 error feedback)."""
+    if key in MOMENT_FORMATS:
+        return MOMENT_FORMATS[key]
+    codes, scale = state[key + compact.CODES], state[key + compact.SCALE]
+    return compact.INT4 if codes.numel() * 2 == scale.numel() * compact.INT4.block else compact.INT8
 
 
 def tensor_steps(state_dict: dict) -> dict:
@@ -114,14 +177,19 @@ def state_bytes(groups: Sequence[dict], lowrank_moments: int = 2) -> dict[str, i
         for param in group["params"]:
             p = local(param)
             itemsize = p.element_size()
+            formats = compact_formats(group, param)
             if group["rank"] is None:
-                out["full_rank_moments"] += 2 * p.numel() * max(itemsize, 4)
+                out["full_rank_moments"] += sum(compact.nbytes(formats[k], p.numel()) if k in formats
+                                                else p.numel() * max(itemsize, 4) for k in MOMENT_FORMATS)
                 continue
             r = group["rank"]
             big = p.shape[0] if side_of(param.shape) == Side.RIGHT else p.shape[1]
             out["lowrank_moments"] += lowrank_moments * big * r * max(itemsize, 4)
             out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
-            if group["error_feedback"]:
+            if group["error_feedback"] and "error_feedback" in formats:
+                out["error_feedback"] += compact.nbytes(formats["error_feedback"], p.numel())
+            elif group["error_feedback"]:
                 ef_dtype = group.get("error_feedback_dtype") or p.dtype
+                ef_dtype = ef_dtype if isinstance(ef_dtype, torch.dtype) else torch.promote_types(p.dtype, torch.float32)
                 out["error_feedback"] += feedback.state_bytes(p.numel(), big * r, ef_dtype, p.dtype, group)
     return out

@@ -266,6 +266,25 @@ class Strategy(ABC):
             w.model.load_state_dict(saved)
         self.load_state_dict(snapshot["state"])
 
+    # memory: what is accounted from shapes (state_bytes) and what is measured from the live tensors (footprint.py)
+
+    def held(self, worker: int) -> dict[str, list[Any]]:
+        """What this strategy keeps for hosted worker ``worker`` besides its inner optimizer, by category (objects
+        whose tensors :func:`~lordo.strategies.footprint.measure` counts); shared ones (the anchor) in every worker's."""
+        return {}
+
+    def host_categories(self) -> frozenset[str]:
+        """Categories kept in host memory by choice (counted as such also on a CPU run)."""
+        return frozenset()
+
+    def measured_state_bytes(self, worker: int = 0) -> dict[str, int]:
+        """Bytes by category of the live tensors hosted worker ``worker``'s optimizer and this strategy hold for it,
+        each storage once (``... (host)``: in host memory)."""
+        from .footprint import measure
+
+        w = self.workers[worker]
+        return measure(self.held(worker), w.optimizer, self.models, w.tensors[0].device, self.host_categories())
+
     def forget_own_errors(self) -> None:  # noqa: B027 (nothing to forget unless the strategy keeps errors)
         """Zero what only this worker had yet to deliver (error feedback): a recovering worker received a peer's."""
 

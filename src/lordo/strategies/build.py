@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from ..comm import Communicator
 from ..comm.basis_codec import SparseSettings
 from ..config import DEFAULT_LR, Config, OptimConfig, StrategyConfig
+from ..config.sections import outer_settings
 from ..errors import ConfigError
 from ..model.params import ParamGroup
 from ..optim import LowRankQHAdam
@@ -121,11 +123,12 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
          "weight_decay": o.weight_decay if spec["decay"] else 0.0}
         for spec in specs
     ]
-    common = dict(
+    common: dict[str, Any] = dict(
         lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=omega,
         error_feedback=s.error_feedback if error_feedback is None else error_feedback,
         qh_source=s.qh_source, error_feedback_after_qh=s.error_feedback_after_qh, basis_method=basis_method(s),
-        basis_iterations=s.basis_iterations, error_feedback_dtype=getattr(torch, s.error_feedback_dtype),
+        basis_iterations=s.basis_iterations, error_feedback_dtype=ef_dtype(s.error_feedback_dtype),
+        moments_dtype=None if s.moments_dtype == "float32" else s.moments_dtype,
     )
     if o.inner == "muon":  # LoRDO's Muon form (config checks leave compile_step and lowrank_term at their defaults)
         return LowRankMuon(param_groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
@@ -134,15 +137,9 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
     return LowRankQHAdam(param_groups, compile=o.compile_step, lowrank_term=s.lowrank_term, **common)
 
 
-DILOCO_OUTER = (0.7, 0.9)  # DiLoCo's outer learning rate and Nesterov momentum
-
-
-def outer_settings(s: StrategyConfig) -> tuple[float, float]:
-    """(outer_lr, outer_momentum): as set; for ``diloco`` left at the generic defaults (1, 0: averaging),
-    DiLoCo's (0.7, 0.9)."""
-    if s.name == "diloco" and (s.outer_lr, s.outer_momentum) == (1.0, 0.0):
-        return DILOCO_OUTER
-    return s.outer_lr, s.outer_momentum
+def ef_dtype(name: str) -> torch.dtype | str:
+    """``strategy.error_feedback_dtype`` as LowRankQHAdam takes it: a torch dtype, or a compact format's name."""
+    return name if name in ("int8", "int4") else getattr(torch, name)
 
 
 def outer_optimizer(s: StrategyConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
@@ -160,7 +157,7 @@ def _local_options(cfg: Config, default_average: str) -> dict:
         sync_every=s.sync_every, outer_optimizer=outer_optimizer(s), compress=s.compress,
         compress_settings=SparseSettings(s.compress_dense, s.compress_density, s.compress_bits, s.compress_fullrank),
         compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip, sync_buffers=s.sync_buffers,
-        offload_anchor=s.offload_anchor, sync_delay=s.sync_delay,
+        offload_anchor=s.offload_anchor, sync_delay=s.sync_delay, anchor_dtype=s.anchor_dtype,
         average_moments=default_average if s.average_moments == "auto" else s.average_moments,
         moment_periods={"exp_avg": s.sync_exp_avg_every, "exp_avg_sq": s.sync_exp_avg_sq_every},
     )

@@ -44,6 +44,11 @@ class RoundInFlight:
             handle, self.handle = self.handle, None
             handle.wait()
 
+    def worker_share(self, h: int) -> list[Any]:
+        """What hosted worker ``h`` holds of the round (its tensors, live)."""
+        moments = [[sent[h], means[h]] for sent, means in self.moments.values()]
+        return [self.own[h], self.mean[h], moments, None if self.basis_input is None else self.basis_input[h]]
+
     def worker_state(self, h: int) -> dict[str, Any]:
         """What hosted worker ``h`` saves of the arrived round (tensors only, ``weights_only``-loadable)."""
         return {

@@ -24,6 +24,7 @@ from ..comm.basis_codec import SparseSettings, check_sparse
 from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
+from .anchor import Anchor
 from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
 from .delayed import RoundInFlight, check_delay
 
@@ -61,7 +62,7 @@ class LocalUpdateStrategy(Strategy):
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
                  compress_settings: SparseSettings | None = None, compression_feedback: bool = True,
                  grad_clip: float = 0.5, sync_buffers: bool = True,
-                 offload_anchor: bool = False, sync_delay: int = 0) -> None:
+                 offload_anchor: bool = False, sync_delay: int = 0, anchor_dtype: str = "float32") -> None:
         super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
         check_number("sync_delay", sync_delay, integer=True)
@@ -91,16 +92,14 @@ class LocalUpdateStrategy(Strategy):
         self.sync_every, self.average, self.sync_delay = sync_every, average_moments, sync_delay
         self.in_flight: RoundInFlight | None = None
         self.codecs = sync_codecs(compress, compress_settings)
-        # the anchor (last synchronised model) is the same on every worker: one copy per process, stepped by
-        # the outer optimizer with the averaged pseudo-gradient as its gradient
-        self.anchor = [t.detach().clone() for t in self.workers[0].tensors]
+        # the anchor (last synchronised model) is the same on every worker: one copy per process (anchor.py); with
+        # one worker and plain averaging only what the bases are computed from needs one
+        alone = comm.world_size == 1 and not comm.fault_tolerant and compress == "none"
+        keep = self.anchor_needed() if alone else None
+        self.anchor = Anchor(self.workers[0].tensors, outer_optimizer, dtype=anchor_dtype, offload=offload_anchor,
+                             keep=keep)
+        self.outer = self.anchor.outer
         self.offload_anchor = offload_anchor
-        if offload_anchor:  # in host memory (pinned, for asynchronous copies, when a GPU is there), as torchft keeps it
-            pin = torch.cuda.is_available()
-            self.anchor = [a.to("cpu", copy=True).pin_memory() if pin else a.to("cpu", copy=True) for a in self.anchor]
-        self.outer = outer_optimizer(self.anchor)
-        if not isinstance(self.outer, torch.optim.Optimizer):
-            raise ConfigError(f"outer_optimizer must return a torch.optim.Optimizer, got {type(self.outer).__name__}")
         self.syncs = 0
         self.synced_at = 0  # the step of the last synchronisation (0: the replicas start equal)
         # called with each averaged pseudo-gradient as it arrives, before the strategy acts on it (bases, outer
@@ -113,6 +112,16 @@ class LocalUpdateStrategy(Strategy):
                 if isinstance(codec, BlockCodec):
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
+
+    def anchor_needed(self) -> list[bool]:
+        """Which tensors need an anchor when a synchronisation leaves the model as it is (one worker, plain averaging):
+        those whose Δ the strategy reads at a synchronisation (none here)."""
+        return [False] * len(self.workers[0].tensors)
+
+    def anchor_weights(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """Worker 0's weights at the last synchronisation for tensors ``indices`` (float32, on the device): the anchor,
+        or for a tensor without one (a synchronisation leaves it as it is) worker 0's own."""
+        return [self.anchor.decoded(i) if self.anchor.keep[i] else self.workers[0].tensors[i] for i in indices]
 
     @property
     def shared_bases(self) -> bool:
@@ -181,7 +190,7 @@ class LocalUpdateStrategy(Strategy):
     def send(self) -> None:
         """Start a synchronisation without blocking (``sync_delay`` > 0): each worker's pseudo-gradient and
         moments due, as they are now, averaged behind the next local steps (``delayed.py``)."""
-        own = [[a.to(t.device) - t for t, a in zip(w.tensors, self.anchor, strict=True)] for w in self.workers]
+        own = [self.anchor.own(w.tensors) for w in self.workers]
         mean = [[d.clone() for d in mine] for mine in own]
         moments = {}
         for key in MOMENTS:
@@ -248,14 +257,7 @@ class LocalUpdateStrategy(Strategy):
     @torch.no_grad()
     def synchronise(self) -> dict[str, float]:
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
-        for w in self.workers:
-            if self.offload_anchor:  # one tensor at a time on the device: the anchor is never there whole
-                for t, a in zip(w.tensors, self.anchor):
-                    t.sub_(a.to(t.device, non_blocking=True)).neg_()
-            else:
-                torch._foreach_sub_(w.tensors, self.anchor)
-                torch._foreach_neg_(w.tensors)
-        pseudo = [[t.data for t in w.tensors] for w in self.workers]
+        pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
                 shard_residuals)
@@ -270,7 +272,7 @@ class LocalUpdateStrategy(Strategy):
         if getattr(self.comm, "sharded", False):  # each rank checked its own shards: all must take one branch
             finite = not self.comm.agree([not finite])[0]
         if not finite:
-            self._restore_from_anchor()  # roll back: every replica holds the last good model again
+            self.anchor.restore([w.tensors for w in self.workers])  # roll back: every replica holds the last good model
             raise NonFiniteError(
                 f"the averaged pseudo-gradient is not finite at synchronisation {self.syncs + 1} (after optimizer "
                 f"step {self.steps_done}); every worker was reset to the model of the previous synchronisation"
@@ -279,41 +281,12 @@ class LocalUpdateStrategy(Strategy):
         for observe in self.round_observers:
             observe(delta)
         stats.update(self.after_average(delta))
-        if own is not None:
-            for w, mine in zip(self.workers, own, strict=True):
-                torch._foreach_add_(w.tensors, mine)
-                self._add_anchor(w, -1.0)
-        for a, d in zip(self.anchor, delta, strict=True):
-            a.grad = d if d.device == a.device else d.to(a.device)
-        self.outer.step()
-        for a in self.anchor:
-            a.grad = None
+        self.anchor.step(delta, [w.tensors for w in self.workers], own)
         if own is None:
-            self._restore_from_anchor()
             self.synced_at = self.steps_done
-        else:
-            for w in self.workers:
-                self._add_anchor(w, 1.0)
         self.average_buffers()
         self.syncs += 1
         return stats
-
-    def _add_anchor(self, w, alpha: float) -> None:
-        """w's tensors += alpha · θ_anchor."""
-        if self.offload_anchor:
-            for t, a in zip(w.tensors, self.anchor):
-                t.add_(a.to(t.device, non_blocking=True), alpha=alpha)
-        else:
-            torch._foreach_add_(w.tensors, self.anchor, alpha=alpha)
-
-    @torch.no_grad()
-    def _restore_from_anchor(self) -> None:
-        for w in self.workers:
-            if self.offload_anchor:
-                for t, a in zip(w.tensors, self.anchor):
-                    t.copy_(a, non_blocking=True)
-            else:
-                torch._foreach_copy_(w.tensors, self.anchor)
 
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight is not None:  # a round in flight is saved once it has arrived (its landing stays due)
@@ -347,8 +320,7 @@ class LocalUpdateStrategy(Strategy):
             "steps_done": self.steps_done,
             "syncs": self.syncs,
             "synced_at": self.synced_at,
-            "anchor": [a.clone() for a in self.anchor],
-            "outer_optimizer": self.outer.state_dict(),
+            **self.anchor.state_dict(),
             "round_in_flight_sent_at": -1 if self.in_flight is None else self.in_flight.sent_at,
         }
 
@@ -356,24 +328,32 @@ class LocalUpdateStrategy(Strategy):
         self.steps_done, self.syncs = int(state["steps_done"]), int(state["syncs"])
         # older checkpoints lack it: they were taken after the step's synchronisation, if one was due
         self.synced_at = int(state.get("synced_at", self.steps_done - self.steps_done % self.sync_every))
-        anchor = list(state["anchor"])
-        if len(anchor) != len(self.anchor):
-            raise ValueError(f"state holds an anchor of {len(anchor)} tensors, this model has {len(self.anchor)}")
-        torch._foreach_copy_(self.anchor, anchor)
-        if "outer_optimizer" in state:
-            self.outer.load_state_dict(state["outer_optimizer"])
-        else:  # checkpoint format 1: the hand-written outer momentum, one buffer per anchor tensor (or none)
+        if "outer_optimizer" not in state and "anchor_dtype" not in state:
+            # checkpoint format 1: the hand-written outer momentum, one buffer per anchor tensor (or none)
             buffers = list(state.get("outer_momentum", []))
             outer = self.outer.state_dict()
             outer["state"] = {i: {"momentum_buffer": b.clone()} for i, b in enumerate(buffers)}
-            self.outer.load_state_dict(outer)
+            state = {**state, "outer_optimizer": outer}
+        self.anchor.load_state_dict(state)
 
     def optimizer_bytes(self) -> dict[str, int]:
         return inner_state_bytes(self.workers[0].optimizer, self.workers[0].tensors)
 
+    def held(self, worker: int) -> dict[str, list[Any]]:
+        w, out = self.workers[worker], super().held(worker)
+        out["anchor"] = self.anchor.held()
+        out["outer_optimizer"] = [self.outer.state]
+        out["compression_feedback"] = [w.residuals, w.shard_residual]
+        if self.in_flight is not None:
+            out["round_in_flight"] = [self.in_flight.worker_share(worker)]
+        return out
+
+    def host_categories(self) -> frozenset[str]:
+        return frozenset({"anchor"}) if self.offload_anchor else frozenset()
+
     def state_bytes(self) -> dict[str, int]:
         out = self.optimizer_bytes()
-        out["anchor (host)" if self.offload_anchor else "anchor"] = tensor_bytes(self.anchor)
+        out["anchor (host)" if self.offload_anchor else "anchor"] = self.anchor.accounted_bytes()
         outer = tensor_bytes(t for s in self.outer.state.values() for t in s.values())
         if outer:
             out["outer_optimizer"] = outer

@@ -32,6 +32,9 @@ def _check_error_feedback_average(optimizers: Sequence[LowRankQHAdam], options: 
     if not all(g["error_feedback"] for opt in optimizers for g in opt.param_groups if g["rank"] is not None):
         raise ConfigError("strategy.average_error_feedback averages the error-feedback buffers: it needs "
                           "strategy.error_feedback = true")
+    if any(isinstance(g.get("error_feedback_dtype"), str) for opt in optimizers for g in opt.param_groups):
+        raise ConfigError("strategy.average_error_feedback averages E in place, which error_feedback_dtype int8 / int4 "
+                          "holds compact between steps: use float32 or bfloat16 error feedback with it")
     if options.get("compress", "none") not in ("none", "bf16"):
         raise ConfigError(f"strategy.average_error_feedback sends the error-feedback buffers in fp32 or bf16: use "
                           f"strategy.compress = none or bf16, got {options['compress']!r}")
@@ -65,11 +68,23 @@ class LoRDOStrategy(LocalUpdateStrategy):
         self.basis = basis if basis is not None else GlobalBasis()
         if not isinstance(self.basis, BasisPolicy):
             raise ConfigError(f"basis must be a BasisPolicy (GlobalBasis() or LocalBasis()), got {type(self.basis).__name__}")
+        if average_moments == "all" and any(g.get("moments_dtype") for opt in optimizers for g in opt.param_groups
+                                            if g["rank"] is None):
+            raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
+                              "moments_dtype = \"int8\" holds compact: use average_moments = lowrank (or none), or "
+                              "moments_dtype = float32")
         super().__init__(models, comm, optimizers=optimizers, sync_every=sync_every, average_moments=average_moments, **options)
         for opt in self.optimizers:
             opt.manages_bases = False  # the basis policy changes them at each synchronisation
         lowrank = {id(p) for p, _ in self.optimizer(0).lowrank_params()}
         self.lowrank_index = [i for i, p in enumerate(self.workers[0].params) if id(p) in lowrank]
+
+    def anchor_needed(self) -> list[bool]:
+        """Global bases come from the low-rank matrices' Δ: they need an anchor even with one worker."""
+        if not isinstance(self.basis, GlobalBasis):
+            return super().anchor_needed()
+        lowrank = {id(p) for p, _ in self.workers[0].optimizer.lowrank_params()}  # type: ignore[attr-defined]
+        return [id(p) in lowrank for p in self.workers[0].params]
 
     def optimizer(self, worker: int) -> LowRankQHAdam:
         opt = self.workers[worker].optimizer
@@ -159,7 +174,7 @@ class LoRDOStrategy(LocalUpdateStrategy):
         opt0, low0 = self.optimizer(0), self.lowrank(0)
         delta_low = [delta[i] for i in self.lowrank_index]
         # worker 0's error feedback against the weights it belongs to (the anchor: the parameters hold Δ now)
-        ef_ratio = error_feedback_ratio(opt0, low0, [self.anchor[i] for i in self.lowrank_index])
+        ef_ratio = error_feedback_ratio(opt0, low0, self.anchor_weights(self.lowrank_index))
         stats = {"residual_energy": residual_energy(delta_low, opt0, low0) or 0.0}
         overlaps = self.basis.at_sync(delta_low, [self.lowrank(w) for w in range(len(self.workers))], self.optimizers)
         stats["basis_overlap"] = sum(overlaps) / len(overlaps)
@@ -169,3 +184,10 @@ class LoRDOStrategy(LocalUpdateStrategy):
 
     def optimizer_bytes(self) -> dict[str, int]:
         return self.optimizer(0).state_bytes()
+
+    def held(self, worker: int) -> dict[str, list[Any]]:
+        out = super().held(worker)
+        captured = getattr(self.basis, "_captured", None)  # lordo-local: the sync step's own gradients
+        if captured is not None:
+            out["round_in_flight"] = [*out.get("round_in_flight", []), captured[worker]]
+        return out

@@ -337,6 +337,8 @@ ADDED_FIELDS = {
     ("strategy", "compress"): "none",
     ("strategy", "compress_feedback"): True,  # nothing to feed back without compression: the same either way
     ("strategy", "error_feedback_dtype"): "float32",
+    ("strategy", "moments_dtype"): "float32",
+    ("strategy", "anchor_dtype"): "float32",
     ("dist", "shard"): False,
     ("optim", "inner"): "auto",
     # the Muon fields are read only with optim.inner = "muon", which an older run cannot have

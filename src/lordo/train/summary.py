@@ -62,7 +62,10 @@ def summarize(cfg: Config, comm: Communicator, optimizer: DistributedOptimizer, 
         "wall_s": wall_s,
         "train_s": run.train_s,
         "tokens_per_s": steps * run.tokens_per_step / run.train_s if run.train_s else float("nan"),
-        "optimizer_state_bytes": optimizer.strategy.state_bytes(),
+        # measured from the live tensors at the end of the run (lordo.strategies.footprint), and as the shapes and
+        # storage settings account for it during training
+        "optimizer_state_bytes": optimizer.strategy.measured_state_bytes(),
+        "optimizer_state_bytes_accounted": optimizer.strategy.state_bytes(),
         "comm_wire_bytes_total": ledger.total_wire_bytes,  # what one worker sent (worker 0)
         "comm_wire_bytes_per_step": ledger.total_wire_bytes / steps,
         "comm_bytes_total": ledger.total_bytes,  # the payload it handed to the collectives

@@ -1,0 +1,170 @@
+"""The paper-16m table (docs/results.md, "Two scales") on one machine with a GPU, inside a fixed time.
+
+    PYTHONPATH=src python3 benchmarks/scale_16m.py OUT_DIR [--deadline-s 540] [--jobs 15]
+
+Every configuration of sweeps/scale-16m.toml's setting runs as its own ``lordo train`` process, many at a time
+on one GPU (the runs are small: bound by kernel launches, not by the GPU's arithmetic):
+
+1. probe: each configuration at its best learning rate on micro and at half and twice it, seed 0, PROBE_STEPS
+   steps (warm-up and cosine over those steps); the lowest validation loss picks the rate;
+2. main: each configuration at its picked rate, seed 0 for all first, then seed 1, at 2,000 steps if the probes'
+   measured throughput says the whole main phase fits in what is left of the deadline, else at 1,000.
+
+Each finished run's config.json, metrics.jsonl and summary.json are copied to OUT_DIR/<phase>/<run>/, and
+OUT_DIR/scale-16m.tar.gz is rewritten after every run, so a stop at the deadline loses only the runs in flight.
+OUT_DIR/plan.json records the rates picked and the step count chosen, with the timings that chose them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+PROBE_STEPS = 200
+# name -> (micro's best rate, overrides): docs/results.md sections 2, 11 and 13
+CONFIGS = {
+    "ddp": (3e-3, ['strategy.name="ddp"']),
+    "lowrank-ddp": (3e-3, ['strategy.name="lowrank-ddp"']),
+    "local-adam": (3e-3, ['strategy.name="local-adam"']),
+    "local-adam-muon": (1e-2, ['strategy.name="local-adam"', 'optim.inner="muon"']),
+    "lordo": (3e-3, ['strategy.name="lordo"']),
+    "lordo-global-noqh": (6e-3, ['strategy.name="lordo-global-noqh"']),
+    "lordo-local": (3e-3, ['strategy.name="lordo-local"']),
+    "lordo-int4": (3e-3, ['strategy.name="lordo"', 'strategy.compress="int4"']),
+    "lordo-muon-r16": (3e-3, ['strategy.name="lordo"', 'optim.inner="muon"']),
+    "lordo-muon-r64": (1e-2, ['strategy.name="lordo"', 'optim.inner="muon"', "strategy.rank=64"]),
+}
+# the setting of every run: paper-16m (d 256, 4 layers, seq 256) at 4 sequences per worker and step, so a worker's
+# step reads 1,024 tokens as micro's 8 x 128 do, and 2,000 steps read the same 8.2M tokens as the micro table
+BASE = ['model.preset="paper-16m"', "train.batch_size=4", "train.eval_every=100", "train.threads=1",
+        'train.device="cuda"', 'train.precision="fp32"', "train.checkpoint_every=0", "train.log_every=10",
+        "strategy.sync_every=32", "strategy.rank=16", "dist.workers=4", 'dist.backend="sim"',
+        'optim.muon_ns_dtype="float32"']
+
+
+class Runner:
+    def __init__(self, out: Path, work: Path, deadline: float, jobs: int) -> None:
+        self.out, self.work, self.deadline, self.jobs = out, work, deadline, jobs
+        self.lock = threading.Lock()
+        self.done: dict[str, dict] = {}
+
+    def run(self, phase: str, name: str, overrides: list[str]) -> dict | None:
+        folder = self.work / phase / name
+        cmd = [sys.executable, "-m", "lordo.cli", "train", "--out", str(folder), "--data-dir", "data"]
+        for o in [*BASE, *overrides]:
+            cmd += ["--set", o]
+        left = self.deadline - time.time()
+        if left < 20:
+            return None
+        t0 = time.time()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            print(f"[{phase}] {name}: stopped at the deadline", flush=True)
+            return None
+        summary_file = folder / "summary.json"
+        if done.returncode != 0 or not summary_file.exists():
+            print(f"[{phase}] {name}: failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}", flush=True)
+            (self.out / "failures.log").open("a").write(f"{phase}/{name}\n{' '.join(cmd)}\n{done.stderr[-3000:]}\n\n")
+            return None
+        summary = json.loads(summary_file.read_text())
+        keep = self.out / phase / name
+        keep.mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "metrics.jsonl", "summary.json"):
+            shutil.copy(folder / f, keep / f)
+        print(f"[{phase}] {name}: val_ppl {summary['val_ppl']:.2f} in {time.time() - t0:.0f} s", flush=True)
+        with self.lock:
+            self.done[f"{phase}/{name}"] = summary
+            self.pack()
+        return summary
+
+    def pack(self) -> None:
+        tmp = self.out / "scale-16m.tar.gz.tmp"
+        with tarfile.open(tmp, "w:gz") as tar:
+            for phase in ("probe", "main"):
+                if (self.out / phase).exists():
+                    tar.add(self.out / phase, arcname=phase)
+            for f in ("plan.json", "failures.log"):
+                if (self.out / f).exists():
+                    tar.add(self.out / f, arcname=f)
+        os.replace(tmp, self.out / "scale-16m.tar.gz")
+
+    def many(self, phase: str, jobs: list[tuple[str, list[str]]]) -> dict[str, dict | None]:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.jobs) as pool:
+            futures = {name: pool.submit(self.run, phase, name, o) for name, o in jobs}
+            return {name: f.result() for name, f in futures.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="seconds from now when everything must be done")
+    ap.add_argument("--jobs", type=int, default=15, help="probe runs at a time")
+    ap.add_argument("--main-jobs", type=int, default=20, help="main runs at a time (default 20: one wave)")
+    ap.add_argument("--smoke", action="store_true", help="a few steps of the nano model on the CPU: checks the script")
+    ap.add_argument("--main-steps", type=int, default=0, help="force the main phase's step count (0: chosen)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations")
+    args = ap.parse_args()
+    global PROBE_STEPS
+    if args.smoke:
+        BASE[:] = [o for o in BASE if not o.startswith(("model.preset", "train.device"))]
+        BASE.extend(['model.preset="nano"', 'train.device="cpu"', "train.eval_batches=2", "train.eval_every=5"])
+        PROBE_STEPS = 6
+    start = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/scale-16m-work")
+    runner = Runner(args.out, work, start + args.deadline_s, args.jobs)
+    configs = {k: CONFIGS[k] for k in args.configs.split(",") if k}
+    plan: dict = {"started": start, "probe_steps": PROBE_STEPS, "base": BASE}
+
+    probes = []
+    for name, (lr, overrides) in configs.items():
+        for factor in (0.5, 1.0, 2.0):
+            rate = float(f"{lr * factor:.3g}")
+            probes.append((f"{name}__lr-{rate:g}", [*overrides, f"optim.lr={rate}", f"train.steps={PROBE_STEPS}",
+                                                    f"schedule.warmup_steps={PROBE_STEPS // 10}", "train.seed=0"]))
+    t0 = time.time()
+    found = runner.many("probe", probes)
+    probe_s = time.time() - t0
+    picked = {}
+    for name, (lr, _) in configs.items():
+        losses = {k.split("__lr-")[1]: s["val_loss"] for k, s in found.items() if s and k.startswith(name + "__")}
+        picked[name] = float(min(losses, key=losses.get)) if losses else lr
+        plan.setdefault("probe_losses", {})[name] = losses
+    plan["picked"] = picked
+    plan["probe_s"] = probe_s
+    finished = sum(1 for s in found.values() if s)
+    # run-steps per second the machine delivered in the probe phase, and what the main phase needs
+    rate = finished * PROBE_STEPS / probe_s if probe_s > 0 and finished else 0.0
+    left = runner.deadline - time.time() - 15
+    need_2000 = len(configs) * 2 * 2000
+    steps = args.main_steps or (2000 if rate and need_2000 <= 0.8 * rate * left else 1000)
+    runner.jobs = args.main_jobs
+    plan.update(run_steps_per_s=rate, left_s=left, main_steps=steps)
+    (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
+    print(json.dumps(plan, indent=1), flush=True)
+
+    main_runs = []
+    for seed in (0, 1):
+        for name, (_, overrides) in configs.items():
+            main_runs.append((f"{name}__seed-{seed}", [*overrides, f"optim.lr={picked[name]}", f"train.steps={steps}",
+                                                       f"schedule.warmup_steps={min(100, steps // 10)}",
+                                                       f"train.seed={seed}"]))
+    runner.many("main", main_runs)
+    plan["total_s"] = time.time() - start
+    (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
+    runner.pack()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

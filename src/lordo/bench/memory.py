@@ -1,0 +1,181 @@
+"""``lordo bench memory``: the optimizer state of every strategy and of the peer optimizers, measured from the live
+tensors after real steps and a synchronisation, beside what lordo's accounting computes from the shapes.
+
+Each row builds its optimizer on a real model of the shape (two simulated workers for the strategies, so that a
+synchronisation really exchanges), takes a few steps of random tokens (a synchronisation among them, K = 2), and
+counts the bytes of every tensor the optimizer and the strategy hold for one worker (strategies/footprint.py:
+storages once, by category and placement). On a GPU the process's own view is read too: the growth of
+``torch.cuda.memory_allocated`` over the run, with the gradients freed, against the measured device bytes of
+every hosted worker together.
+
+Rows: torch's AdamW, bitsandbytes' 8-bit AdamW and galore-torch's GaLoreAdamW (where installed: the ``bench``
+extra), lordo's ``LowRankQHAdam`` with GaLore's parameter groups (as a GaLore user drops it in), and the strategies
+(``ddp`` is AdamW's state, listed as such).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import build_config
+from .step import shape_overrides
+from .timing import machine
+
+LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
+LEAN4 = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int4"', 'strategy.moments_dtype="int8"')
+STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("local-adam (DiLoCo: anchor, outer momentum)", ('strategy.name="diloco"',)),
+    ("local-adam + Muon (MuLoCo)", ('strategy.name="diloco"', 'optim.inner="muon"', 'optim.muon_ns_dtype="float32"')),
+    ("lowrank-ddp", ('strategy.name="lowrank-ddp"',)),
+    ("lordo", ('strategy.name="lordo"',)),
+    ("lordo, bf16 error feedback, anchor in host memory (before)",
+     ('strategy.name="lordo"', 'strategy.error_feedback_dtype="bfloat16"', "strategy.offload_anchor=true")),
+    ("lordo, lean (int8 anchor, E, full-rank moments)", ('strategy.name="lordo"', *LEAN)),
+    ("lordo, lean with int4 E", ('strategy.name="lordo"', *LEAN4)),
+    ("lordo, lean with int4 E, anchor in host memory", ('strategy.name="lordo"', *LEAN4, "strategy.offload_anchor=true")),
+    ("lordo, int4 rounds, sync_delay 1", ('strategy.name="lordo"', 'strategy.compress="int4"', "strategy.sync_delay=1")),
+    ("lordo, lean with int4 E, int4 rounds, sync_delay 1",
+     ('strategy.name="lordo"', *LEAN4, 'strategy.compress="int4"', "strategy.sync_delay=1")),
+)
+
+
+def _tokens(vocab: int, seq: int, step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    t = torch.randint(0, vocab, (1, seq + 1), generator=g).to(device)
+    return t[:, :-1], t[:, 1:]
+
+
+def _device_bytes(measured: dict[str, int]) -> int:
+    return sum(v for k, v in measured.items() if not k.endswith(" (host)"))
+
+
+def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: int = 32) -> dict[str, Any]:
+    """Build the strategy on two simulated workers, step until a synchronisation has happened (and, for a delayed
+    one, while its round is in flight), measure worker 0's share; on a GPU also the allocator's growth."""
+    from ..api import DistributedOptimizer
+    from ..comm import SimCommunicator
+    from ..model import build_model
+
+    cfg = build_config(overrides=[*overrides, "strategy.sync_every=2", "dist.workers=2"])
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    models = [build_model(cfg, vocab).to(device) for _ in range(2)]
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    opt = DistributedOptimizer(models, cfg, SimCommunicator(2), check_finish=False)
+    steps = 2 if cfg.strategy.sync_delay else 3  # a delayed round is measured in flight; another one after the sync
+    for step in range(steps):
+        for rank, model in enumerate(models):
+            model(*_tokens(vocab, seq, step, rank, device))[1].backward()
+        opt.step(lr=1e-3)
+    measured, accounted = opt.memory_report(), opt.accounted_memory()
+    row = {"measured_bytes": measured["total"], "accounted_bytes": accounted["total"],
+           "device_bytes": measured["device_total"], "adamw_bytes": measured["adamw"],
+           "by_category": {k: v for k, v in measured.items() if k not in ("total", "device_total", "adamw")}}
+    if cuda:  # every hosted worker's device state together, against what the allocator holds beyond the models
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated(device) - before
+        hosted: dict[str, int] = {}
+        for w in range(len(opt.strategy.workers)):
+            for k, v in opt.strategy.measured_state_bytes(w).items():
+                hosted[k] = max(hosted.get(k, 0), v) if k.startswith("anchor") else hosted.get(k, 0) + v
+        row["cuda_allocated_growth"] = grown
+        row["cuda_measured_hosted"] = _device_bytes(hosted)
+    del opt, models
+    return row
+
+
+def _peer_optimizers(model: nn.Module, rank: int) -> list[tuple[str, Callable[[], torch.optim.Optimizer]]]:
+    """(name, builder) of the single-process optimizers, each over ``model``; GaLore's groups as its README
+    builds them (the block matrices at rank r, the rest plain)."""
+    from ..model import group_parameters
+    from ..optim import LowRankQHAdam
+
+    groups = group_parameters(model)
+    matrices = [p for g in groups if g.rule.matrix for p in g.params if p.ndim == 2]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    galore = {"params": matrices, "rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
+    rows: list[tuple[str, Callable[[], torch.optim.Optimizer]]] = [
+        ("adamw (torch)", lambda: torch.optim.AdamW(model.parameters(), lr=1e-3)),
+        ("LowRankQHAdam with GaLore's groups (defaults)",
+         lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3)),
+    ]
+    try:
+        import bitsandbytes as bnb
+
+        rows.insert(1, ("adamw 8-bit (bitsandbytes)", lambda: bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)))
+    except Exception:  # noqa: BLE001 - not installed, or no kernels for this machine
+        pass
+    try:
+        from galore_torch import GaLoreAdamW, GaLoreAdamW8bit
+
+        rows.append(("GaLoreAdamW (galore-torch)", lambda: GaLoreAdamW([{"params": rest}, dict(galore)], lr=1e-3)))
+        rows.append(("GaLoreAdamW8bit (galore-torch)", lambda: GaLoreAdamW8bit([{"params": rest}, dict(galore)], lr=1e-3)))
+    except Exception:  # noqa: BLE001
+        pass
+    return rows
+
+
+def peer_row(build: Callable[[], torch.optim.Optimizer], model: nn.Module, vocab: int, device: torch.device,
+             seq: int = 32) -> dict[str, Any]:
+    from ..strategies.footprint import measure
+
+    opt = build()
+    for step in range(2):
+        model(*_tokens(vocab, seq, step, 0, device))[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    measured = measure({}, opt, [model], device)
+    adamw = 8 * sum(p.numel() for p in model.parameters())
+    return {"measured_bytes": sum(measured.values()), "accounted_bytes": None, "device_bytes": _device_bytes(measured),
+            "adamw_bytes": adamw, "by_category": measured}
+
+
+def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: torch.device | None = None,
+                     peers: bool = True, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every row at every shape, rank r = d_model/8 (min(p, q)/8 of every block matrix); ``log`` hears of each."""
+    from ..model import build_model
+
+    device = device or torch.device("cpu")
+    rows = []
+    for preset, d_model, layers in shapes:
+        overrides = shape_overrides(preset, d_model, layers)
+        vocab = 4096 if d_model is None else 32000
+        base = build_config(overrides=overrides)
+        rank = base.model.d_model // 8
+        label = preset if d_model is None else f"d{d_model}x{layers}"
+        found: list[tuple[str, dict[str, Any]]] = []
+        if peers:
+            torch.manual_seed(0)
+            model = build_model(base, vocab).to(device)
+            for name, build in _peer_optimizers(model, rank):
+                log(f"{label}: {name}")
+                try:
+                    found.append((name, peer_row(build, model, vocab, device)))
+                except Exception as exc:  # noqa: BLE001 - a peer that does not run here is reported, not fatal
+                    log(f"    {name} did not run here: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                model.zero_grad(set_to_none=True)
+            del model
+        for name, extra in STRATEGY_ROWS:
+            log(f"{label}: {name}")
+            found.append((name, strategy_row([*overrides, f"strategy.rank={rank}", *extra], vocab, device)))
+        params = sum(p.numel() for p in build_model(base, vocab).parameters())
+        for name, row in found:
+            adamw = row["adamw_bytes"]
+            accounted = row["accounted_bytes"]
+            rows.append({"shape": label, "params": params, "rank": rank, "name": name, **row,
+                         "total_vs_adamw": row["measured_bytes"] / adamw, "device_vs_adamw": row["device_bytes"] / adamw,
+                         "accounted_vs_measured": None if accounted is None else accounted / row["measured_bytes"]})
+    return {"machine": machine(), "device": str(device), "rows": rows}
+
+
+def within(rows: list[dict[str, Any]], tolerance: float = 0.02) -> list[str]:
+    """Rows whose accounted bytes differ from the measured ones by more than ``tolerance``."""
+    return [f"{r['shape']} {r['name']}" for r in rows
+            if r["accounted_bytes"] is not None and not math.isclose(r["accounted_bytes"], r["measured_bytes"], rel_tol=tolerance)]

@@ -1,0 +1,197 @@
+"""Optimizer state held compact between steps: 8-bit (or 4-bit) codes with one float32 scale per block of elements.
+
+A state entry ``key`` of a parameter (``exp_avg``, ``error_feedback``, ...) that is held compact is two tensors in
+its state dict: ``key + CODES`` (uint8, the flattened tensor's codes; two 4-bit codes per byte) and ``key + SCALE``
+(float32, the largest magnitude of each block). Everything that computes with the entry expands it to float32
+first (:func:`expanded`, one parameter at a time: the float32 copy is a transient, never the whole optimizer's
+state at once) and stores it back when done, so the step's arithmetic is the float32 arithmetic; only the
+storage between steps is rounded. The state stays tensors only (``weights_only`` checkpoints), and a checkpoint
+stores the codes as they are.
+
+Formats (:class:`Format`), each a code book of values in [−1, 1] (or [0, 1]) that a block's elements, divided by
+the block's scale, are rounded to:
+
+- ``int8`` (signed, blocks of 256): a dynamic map, as 8-bit Adam's: a sign, a decade (10⁻⁶ … 1) and a fraction
+  with more steps in the larger decades (64 between 0.1 and 1 of the block's largest magnitude), so small entries
+  keep their relative precision; for first moments and error feedback.
+- ``uint8`` (non-negative, blocks of 256): the same map without a sign and twice the steps, applied to the square
+  root of the entry (second moments: the root halves their dynamic range) and rounded stochastically: a second
+  moment moves by 0.1 % a step (β2 = 0.999), less than one step of any 8-bit map, which rounding to the nearest
+  code would freeze; stochastic rounding keeps the expected value (its randomness is seeded by the step and
+  the entry, so a resumed run is bit-identical).
+- ``int4`` (signed, blocks of 64): 15 evenly spaced values, two codes per byte; for error feedback.
+- ``lin8`` (signed, blocks of 256): 255 evenly spaced values; for weights (the anchor), whose error matters in
+  absolute terms (it enters the pseudo-gradient), where even steps are finer than the dynamic map's at the sizes
+  most weights have.
+
+Tensors below :data:`MIN_COMPACT_NUMEL` elements stay float32 (norm weights, biases: nothing to gain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+CODES, SCALE = ".codes", ".scale"
+MIN_COMPACT_NUMEL = 4096
+FORMATS = ("int8", "uint8", "int4", "lin8")
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    bits: int
+    block: int
+    signed: bool
+    stochastic: bool = False
+    root: bool = False  # store sqrt(x) (x >= 0)
+
+
+INT8 = Format("int8", 8, 256, signed=True)
+UINT8 = Format("uint8", 8, 256, signed=False, stochastic=True, root=True)
+INT4 = Format("int4", 4, 64, signed=True)
+LIN8 = Format("lin8", 8, 256, signed=True)
+BY_NAME = {f.name: f for f in (INT8, UINT8, INT4, LIN8)}
+
+
+@functools.cache
+def _dynamic_magnitudes(steps_per_decade: tuple[int, ...]) -> list[float]:
+    """Magnitudes in (0, 1]: for decade k (10^(k−n+1) … 10^(k−n+2), n decades) ``steps_per_decade[k]`` values, the
+    midpoints of that many equal steps between 0.1 and 1 of the decade's top; then 1 itself."""
+    out = []
+    n = len(steps_per_decade)
+    for k, steps in enumerate(steps_per_decade):
+        top = 10.0 ** (k - n + 1)
+        edges = [0.1 + 0.9 * i / steps for i in range(steps + 1)]
+        out += [top * (a + b) / 2 for a, b in zip(edges, edges[1:])]
+    return out + [1.0]
+
+
+@functools.cache
+def code_book(fmt: Format, device: torch.device) -> torch.Tensor:
+    """The sorted values of ``fmt``'s codes (2**bits of them, float32 on ``device``)."""
+    if fmt.bits == 4:
+        values = [i / 7 for i in range(-7, 8)] + [0.0]  # 15 levels; the 16th code is a second zero
+    elif fmt.name == "lin8":
+        values = [i / 127 for i in range(-127, 128)] + [0.0]
+    elif fmt.signed:
+        mags = _dynamic_magnitudes((1, 2, 4, 8, 16, 32, 63))  # 126 + 1 magnitudes
+        values = sorted([-m for m in mags] + [0.0] + mags) + [0.0]  # 255 values, one spare zero
+    else:
+        values = [0.0] + _dynamic_magnitudes((2, 4, 8, 16, 32, 64, 128))  # 254 + 1 + zero
+        values += [1.0] * (256 - len(values))
+    book = sorted(values)[: 2 ** fmt.bits]
+    assert len(book) == 2 ** fmt.bits
+    return torch.tensor(book, dtype=torch.float32, device=device)
+
+
+def nbytes(fmt: Format, numel: int) -> int:
+    """Bytes of ``numel`` elements held in ``fmt`` (codes and scales)."""
+    blocks = math.ceil(numel / fmt.block)
+    return math.ceil(numel * fmt.bits / 8) + 4 * blocks
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, block)
+
+
+@torch.no_grad()
+def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales float32) of ``x``; ``seed`` makes stochastic rounding reproducible (formats that round
+    stochastically need it)."""
+    x = x.float()
+    if fmt.root:
+        x = x.clamp(min=0).sqrt()
+    rows = _blocks(x, fmt.block)
+    scale = rows.abs().amax(dim=1)
+    y = rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    book = code_book(fmt, x.device)
+    if fmt.stochastic:
+        if seed is None:
+            raise ValueError(f"format {fmt.name} rounds stochastically: give a seed")
+        upper = torch.searchsorted(book, y.contiguous(), right=False).clamp_(1, book.numel() - 1)
+        lo, hi = book[upper - 1], book[upper]
+        gen = torch.Generator(device=x.device).manual_seed(seed)
+        u = torch.rand(y.shape, generator=gen, device=x.device)
+        take_hi = u * (hi - lo) < (y - lo)
+        codes = torch.where(take_hi, upper, upper - 1)
+    else:
+        mids = (book[1:] + book[:-1]) / 2
+        codes = torch.searchsorted(mids, y.contiguous())
+    codes = codes.to(torch.uint8).reshape(-1)
+    if fmt.bits == 4:
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return codes, scale
+
+
+@torch.no_grad()
+def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Format, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The float32 tensor of ``shape`` that :func:`encode` gave ``codes`` and ``scale`` for."""
+    if fmt.bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
+    book = code_book(fmt, codes.device)
+    rows = book[codes.long()].view(-1, fmt.block) * scale[:, None]
+    x = rows.reshape(-1)[: math.prod(shape)].view(shape)
+    return x.square() if fmt.root else x
+
+
+def is_compact(state: dict, key: str) -> bool:
+    return key + CODES in state
+
+
+def store(state: dict, key: str, x: torch.Tensor, fmt: Format, seed: int | None = None) -> None:
+    """Hold ``x`` as ``state[key]``'s compact form (the float32 entry removed)."""
+    state.pop(key, None)
+    state[key + CODES], state[key + SCALE] = encode(x, fmt, seed)
+
+
+def load(state: dict, key: str, fmt: Format, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """``state[key]`` as a float32 tensor of ``shape`` (a new one if it is compact)."""
+    if not is_compact(state, key):
+        return state[key]
+    return decode(state[key + CODES], state[key + SCALE], fmt, shape)
+
+
+@contextlib.contextmanager
+def expanded(state: dict, entries: dict[str, Format], shape_of: dict[str, tuple[int, ...]],
+             seed: int | None = None) -> Iterator[None]:
+    """Inside the block, each compact entry ``key`` of ``entries`` is a float32 ``state[key]``; after it, held
+    compact again (what the block computed, rounded to the format)."""
+    opened = [key for key in entries if is_compact(state, key)]
+    for key in opened:
+        state[key] = decode(state.pop(key + CODES), state.pop(key + SCALE), entries[key], shape_of[key])
+    try:
+        yield
+    finally:
+        for key in opened:
+            if key in state:
+                store(state, key, state[key], entries[key], seed)
+
+
+def worth_compacting(numel: int) -> bool:
+    return numel >= MIN_COMPACT_NUMEL
+
+
+def load_range(state: dict, key: str, fmt: Format, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start:stop`` of the flattened compact entry ``key`` (``start`` a multiple of the block)."""
+    per_byte = 8 // fmt.bits
+    blocks = slice(start // fmt.block, math.ceil(stop / fmt.block))
+    codes = state[key + CODES][start // per_byte: blocks.stop * fmt.block // per_byte]
+    return decode(codes, state[key + SCALE][blocks], fmt, (stop - start,))
+
+
+def store_range(state: dict, key: str, x: torch.Tensor, fmt: Format, start: int, seed: int | None = None) -> None:
+    """Write ``x`` (1-D) as elements ``start:`` of the flattened compact entry ``key``, in place."""
+    codes, scale = encode(x, fmt, seed)
+    per_byte = 8 // fmt.bits
+    state[key + CODES][start // per_byte: start // per_byte + codes.numel()] = codes
+    state[key + SCALE][start // fmt.block: start // fmt.block + scale.numel()] = scale

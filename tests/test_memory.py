@@ -1,0 +1,293 @@
+"""Optimizer memory: measured from the live tensors (strategies/footprint.py) against hand counts, and the lean
+storage (optim/compact.py, strategies/anchor.py) against float32 and float64 references."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from harness import VOCAB, batch, strategy_config, tiny_model
+
+from lordo.comm import SimCommunicator
+from lordo.errors import ConfigError
+from lordo.model import GPT, GPTConfig, group_parameters
+from lordo.optim import LowRankQHAdam, compact
+from lordo.strategies import build_strategy
+from lordo.strategies.footprint import excluded_storages, storage_key, walk
+
+
+def wider_model() -> GPT:
+    """Matrices large enough (≥ 4,096 elements) to be held compact."""
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=2, seq_len=8))
+
+
+def build(name: str, workers: int = 2, overrides=(), model=tiny_model):
+    comm = SimCommunicator(workers)
+    models = [model() for _ in range(workers)]
+    cfg = strategy_config(name, ["strategy.rank=2", "strategy.sync_every=2", *overrides])
+    return build_strategy(cfg, models, [group_parameters(m) for m in models], comm), models
+
+
+def train(strategy, models, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        for rank, model in enumerate(models):
+            model(*batch(rank, step))[1].backward()
+        strategy.step(1e-2)
+
+
+# --- measured against counted by hand ---------------------------------------------------------------------
+
+
+def test_the_measured_state_of_lordo_is_the_hand_count_of_its_tensors():
+    strategy, models = build("lordo")
+    train(strategy, models, 3)  # a sync at 2, then a step: the deferred error feedback's proj(S) exists again
+    opt, params = strategy.workers[0].optimizer, strategy.workers[0].params
+    lowrank = {id(p) for p, _ in opt.lowrank_params()}
+    expected = {"lowrank_moments": 0, "full_rank_moments": 0, "bases": 0, "error_feedback": 0, "anchor": 0}
+    for p in params:
+        n = p.numel()
+        expected["anchor"] += 4 * n
+        if id(p) in lowrank:
+            big, small = max(p.shape), min(p.shape)
+            # u, v (big x r) and the step counter; the basis (small x r); E (p x q) and its proj(S) (big x r)
+            expected["lowrank_moments"] += 2 * 4 * big * 2 + 4
+            expected["bases"] += 4 * small * 2
+            expected["error_feedback"] += 4 * n + 4 * big * 2
+        else:
+            expected["full_rank_moments"] += 2 * 4 * n + 4
+    assert strategy.measured_state_bytes() == expected
+    accounted = strategy.state_bytes()
+    assert sum(accounted.values()) == pytest.approx(sum(expected.values()), rel=0.02)
+
+
+def test_every_tensor_a_strategy_holds_is_in_some_worker_s_count():
+    """A walk of the whole strategy object (every hosted worker, the communicator, the codecs) finds no storage
+    that no worker's measurement counts: nothing the strategy keeps escapes the count."""
+    for name, overrides in (("lordo", ()), ("local-adam", ('strategy.compress="int8"',)),
+                            ("lordo", ("strategy.sync_delay=1",)), ("lordo-local", ()), ("lowrank-ddp", ())):
+        strategy, models = build(name, overrides=overrides)
+        train(strategy, models, 3)
+        skip = excluded_storages(models)
+        everything = {k for _, t in walk(strategy) if (k := storage_key(t)) is not None and k not in skip}
+        counted = set()
+        for w in range(len(strategy.workers)):
+            for objects in [strategy.held(w), {"opt": [vars(strategy.workers[w].optimizer)]}]:
+                counted |= {k for _, t in walk(objects) if (k := storage_key(t)) is not None}
+        assert everything <= counted, (name, overrides, len(everything - counted))
+
+
+def test_views_of_a_stacked_state_are_counted_once():
+    model = tiny_model()
+    matrices = [p for p in model.parameters() if p.ndim == 2 and p.shape[0] != 61]
+    opt = LowRankQHAdam([{"params": matrices, "rank": 2}], lr=1e-2, batched=True)
+    for step in range(2):
+        model(*batch(0, step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    from lordo.strategies.footprint import measure
+
+    measured = measure({}, opt, [model], torch.device("cpu"))
+    stacked = {storage_key(s["exp_avg"]) for s in opt.state.values()}
+    assert len(stacked) < len(matrices)  # the per-matrix state is views of stacks
+    storages = {storage_key(t): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)}
+    extra = sum(stack.inside.untyped_storage().nbytes() for stack in opt._planner._stacks.values()
+                if storage_key(stack.inside) not in storages)
+    assert sum(measured.values()) == sum(storages.values()) + extra
+
+
+def test_a_single_worker_keeps_no_anchor_it_cannot_use():
+    local_adam, _ = build("local-adam", workers=1)
+    assert local_adam.measured_state_bytes().get("anchor", 0) == 0
+    lordo, _ = build("lordo", workers=1)
+    lowrank = sum(p.numel() for p, _ in lordo.workers[0].optimizer.lowrank_params())
+    assert lordo.measured_state_bytes()["anchor"] == 4 * lowrank  # global bases read the low-rank matrices' Δ
+    diloco, _ = build("diloco", workers=1)  # an outer momentum moves even one worker's model: all of it
+    assert diloco.measured_state_bytes()["anchor"] == 4 * sum(p.numel() for p in diloco.workers[0].params)
+
+
+def test_an_optimizer_a_user_brings_is_measured_as_it_is():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 8))
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=4096)
+    model(torch.randn(2, 128)).sum().backward()
+    opt.step()
+    from lordo.strategies.footprint import measure
+
+    measured = sum(measure({}, opt, [model], torch.device("cpu")).values())
+    big = 128 * 64  # 8-bit codes of two moments, a float32 scale per block of 256 each, a shared 256-entry map each
+    small = 64 + 64 * 8 + 8  # float32 moments of the tensors below min_8bit_size
+    assert measured == 2 * big + 2 * 4 * (big // 256) + 2 * 256 * 4 + 2 * 4 * small
+
+
+# --- compact storage ---------------------------------------------------------------------------------------
+
+
+def test_codes_come_back_within_each_format_s_step():
+    x = torch.randn(10_240, generator=torch.Generator().manual_seed(0)) * 0.03
+    for fmt, bound in ((compact.INT8, 0.0072), (compact.LIN8, 1 / 254), (compact.INT4, 1 / 14)):
+        codes, scale = compact.encode(x, fmt)
+        y = compact.decode(codes, scale, fmt, x.shape)
+        blocks = x.abs().view(-1, fmt.block).amax(dim=1).repeat_interleave(fmt.block)[: x.numel()]
+        assert ((y - x).abs() <= bound * blocks + 1e-12).all(), fmt.name
+    assert compact.nbytes(compact.INT8, 10_240) == 10_240 + 4 * 40
+    assert compact.nbytes(compact.INT4, 10_240) == 5_120 + 4 * 160
+
+
+def test_stochastic_rounding_keeps_the_expected_value_of_a_decaying_second_moment():
+    """Each block's largest entry stays (it sets the scale); the others decay by β2 = 0.999 a step with no new
+    gradient, less than one code step: stochastic rounding follows them, rounding to the nearest code freezes them."""
+    v = torch.rand(4096, generator=torch.Generator().manual_seed(1)) ** 4 * 1e-7
+    v.view(-1, 256)[:, 0] = 1e-6
+    rest = torch.ones_like(v, dtype=torch.bool)
+    rest.view(-1, 256)[:, 0] = False
+
+    def decay(held, fmt, seed):
+        x = compact.decode(*held, fmt, v.shape)
+        x[rest] *= 0.999
+        return compact.encode(x, fmt, seed=seed)
+
+    stochastic, nearest = compact.encode(v, compact.UINT8, seed=0), compact.encode(v, compact.INT8)
+    for step in range(1, 501):
+        stochastic, nearest = decay(stochastic, compact.UINT8, step), decay(nearest, compact.INT8, None)
+    expected = float(v[rest].sum()) * 0.999**500
+    assert float(compact.decode(*stochastic, compact.UINT8, v.shape)[rest].sum()) == pytest.approx(expected, rel=0.01)
+    assert float(compact.decode(*nearest, compact.INT8, v.shape)[rest].sum()) > 1.3 * expected  # frozen
+
+
+def _toy(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    w = torch.nn.Parameter(torch.randn(96, 64) * 0.02)
+    e = torch.nn.Parameter(torch.randn(200, 32) * 0.02)
+    options = {"float32": {}, "lean": {"error_feedback_dtype": "int8", "moments_dtype": "int8"},
+               "int4": {"error_feedback_dtype": "int4"}}[kind]
+    return [w, e], LowRankQHAdam([{"params": [w], "rank": 4}, {"params": [e], "rank": None}], lr=1e-2, **options)
+
+
+def _steps(params, opt, start: int, n: int) -> None:
+    for t in range(start, start + n):
+        g = torch.Generator().manual_seed(t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_the_first_step_with_compact_state_is_the_float32_step_and_later_ones_stay_close():
+    ref_params, ref = _toy("float32")
+    params, lean = _toy("lean")
+    _steps(ref_params, ref, 0, 1)
+    _steps(params, lean, 0, 1)
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)  # zero state: the step computed in float32 is the same; only storage rounds
+    _steps(ref_params, ref, 1, 19)
+    _steps(params, lean, 1, 19)
+    for a, b in zip(ref_params, params):  # 20 steps of random gradients at lr 1e-2: the rounding stays small
+        assert float((a - b).norm() / a.norm()) < 0.05
+
+
+def test_compact_state_is_saved_as_it_is_and_a_resumed_run_is_bit_identical():
+    params, opt = _toy("lean")
+    _steps(params, opt, 0, 6)
+    straight = [p.detach().clone() for p in params]
+    params, opt = _toy("lean")
+    _steps(params, opt, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    codes = saved["opt"]["state"][0]["error_feedback" + compact.CODES]
+    assert codes.dtype == torch.uint8 and "error_feedback" not in saved["opt"]["state"][0]  # no silent widening
+    params, opt = _toy("lean", seed=5)
+    for p, value in zip(params, saved["params"]):
+        p.data.copy_(value)
+    opt.load_state_dict(saved["opt"])
+    _steps(params, opt, 3, 3)
+    for a, b in zip(straight, params):
+        assert torch.equal(a, b)
+
+
+def test_a_float32_state_loads_into_a_compact_optimizer_and_back():
+    params, opt = _toy("float32")
+    _steps(params, opt, 0, 3)
+    state = opt.state_dict()
+    lean_params, lean = _toy("lean")
+    lean.load_state_dict(state)
+    assert compact.is_compact(lean.state[lean_params[0]], "error_feedback")
+    assert compact.is_compact(lean.state[lean_params[1]], "exp_avg_sq")
+    back_params, back = _toy("float32")
+    back.load_state_dict(lean.state_dict())
+    e32 = opt.error_feedback(params[0])
+    assert float((back.error_feedback(back_params[0]) - e32).abs().max()) <= 0.0072 * float(e32.abs().max())
+    assert not compact.is_compact(back.state[back_params[1]], "exp_avg")
+
+
+def test_compact_error_feedback_reads_and_forgets():
+    params, opt = _toy("int4")
+    _steps(params, opt, 0, 2)
+    e = opt.error_feedback(params[0])
+    assert e.shape == params[0].shape and float(e.abs().max()) > 0
+    opt.forget_error_feedback()
+    assert float(opt.error_feedback(params[0]).abs().max()) == 0
+    with pytest.raises(ValueError, match="held compact"):
+        opt.settled_error_feedback(params[0])
+
+
+# --- the anchor --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_a_rounded_anchor_leaves_the_averaged_model_exact(dtype):
+    """With plain averaging the new model is the mean of the workers' models (float64 reference), whatever the
+    anchor's rounding: only the kept copy is rounded."""
+    strategy, models = build("local-adam", workers=3, overrides=[f'strategy.anchor_dtype="{dtype}"'], model=wider_model)
+    before: list = []
+    synchronise = strategy.synchronise
+
+    def recording():  # the workers' models just before each synchronisation
+        before.append([[t.detach().double().clone() for t in w.tensors] for w in strategy.workers])
+        return synchronise()
+
+    strategy.synchronise = recording
+    train(strategy, models, 4)  # two synchronisations: the second starts from the first one's rounded anchor
+    assert len(before) == 2
+    mean = [sum(ms) / 3 for ms in zip(*before[-1])]
+    for p, ref in zip(strategy.workers[1].tensors, mean):
+        assert torch.allclose(p.double(), ref, rtol=0, atol=8 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
+    kept = max(strategy.anchor.tensors, key=lambda a: a[0].numel() if isinstance(a, tuple) else a.numel())
+    assert (kept[0].dtype == torch.uint8) if dtype == "int8" else (kept.dtype == torch.bfloat16)
+    assert strategy.measured_state_bytes()["anchor"] < (0.4 if dtype == "int8" else 0.55) * 4 * sum(
+        t.numel() for t in strategy.workers[0].tensors)
+
+
+def test_a_rounded_anchor_is_refused_with_an_outer_momentum():
+    with pytest.raises(ConfigError, match="plain averaging"):
+        build("diloco", overrides=['strategy.anchor_dtype="bfloat16"'])
+    with pytest.raises(ConfigError, match="moments_dtype"):
+        build("ddp", overrides=['strategy.moments_dtype="int8"'])
+    with pytest.raises(ConfigError, match="average_error_feedback"):
+        build("lordo", overrides=['strategy.error_feedback_dtype="int4"', "strategy.average_error_feedback=true"])
+
+
+def test_a_lean_lordo_checkpoint_resumes_bit_identically():
+    lean = ['strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"']
+    straight, models = build("lordo", overrides=lean, model=wider_model)
+    train(straight, models, 5)
+    expected = [p.detach().clone() for p in models[0].parameters()]
+    first, models = build("lordo", overrides=lean, model=wider_model)
+    train(first, models, 3)
+    buf = io.BytesIO()
+    torch.save({"models": [m.state_dict() for m in models], "strategy": first.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert saved["strategy"]["shared"]["anchor_dtype"] == "int8"
+    second, models = build("lordo", overrides=lean, model=wider_model)
+    for m, s in zip(models, saved["models"]):
+        m.load_state_dict(s)
+    second.load_state_dict(saved["strategy"])
+    train(second, models, 2, start=3)
+    for a, b in zip(expected, models[0].parameters()):
+        assert torch.equal(a, b)
+    assert math.isfinite(float(sum(p.sum() for p in models[0].parameters())))
