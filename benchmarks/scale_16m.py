@@ -10,8 +10,8 @@ on one GPU (the runs are small: bound by kernel launches, not by the GPU's arith
 2. main: each configuration at its picked rate, seed 0 for all first, then seed 1, at 2,000 steps if the probes'
    measured throughput says the whole main phase fits in what is left of the deadline, else at 1,000.
 
-Each finished run's config.json, metrics.jsonl and summary.json are copied to OUT_DIR/<phase>/<run>/, and
-OUT_DIR/scale-16m.tar.gz is rewritten after every run, so a stop at the deadline loses only the runs in flight.
+Each finished run's config.json, metrics.jsonl and summary.json go into OUT_DIR/scale-16m.tar.gz as
+<phase>/<run>/, rewritten after every run, so a stop at the deadline loses only the runs in flight.
 OUT_DIR/plan.json records the rates picked and the step count chosen, with the timings that chose them.
 """
 
@@ -42,7 +42,11 @@ CONFIGS = {
     "lordo-int4": (3e-3, ['strategy.name="lordo"', 'strategy.compress="int4"']),
     "lordo-muon-r16": (3e-3, ['strategy.name="lordo"', 'optim.inner="muon"']),
     "lordo-muon-r64": (1e-2, ['strategy.name="lordo"', 'optim.inner="muon"', "strategy.rank=64"]),
+    # lordo's lean state (sweeps/memory.toml's), at the rate picked for lordo: a paired comparison, not probed
+    "lordo-lean": (3e-3, ['strategy.name="lordo"', 'strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"',
+                          'strategy.moments_dtype="int8"']),
 }
+FOLLOWS = {"lordo-lean": "lordo"}  # configurations that take another's picked rate instead of probing
 # the setting of every run: paper-16m (d 256, 4 layers, seq 256) at 4 sequences per worker and step, so a worker's
 # step reads 1,024 tokens as micro's 8 x 128 do, and 2,000 steps read the same 8.2M tokens as the micro table
 BASE = ['model.preset="paper-16m"', "train.batch_size=4", "train.eval_every=100", "train.threads=1",
@@ -77,7 +81,7 @@ class Runner:
             (self.out / "failures.log").open("a").write(f"{phase}/{name}\n{' '.join(cmd)}\n{done.stderr[-3000:]}\n\n")
             return None
         summary = json.loads(summary_file.read_text())
-        keep = self.out / phase / name
+        keep = self.work / "keep" / phase / name
         keep.mkdir(parents=True, exist_ok=True)
         for f in ("config.json", "metrics.jsonl", "summary.json"):
             shutil.copy(folder / f, keep / f)
@@ -91,8 +95,8 @@ class Runner:
         tmp = self.out / "scale-16m.tar.gz.tmp"
         with tarfile.open(tmp, "w:gz") as tar:
             for phase in ("probe", "main"):
-                if (self.out / phase).exists():
-                    tar.add(self.out / phase, arcname=phase)
+                if (self.work / "keep" / phase).exists():
+                    tar.add(self.work / "keep" / phase, arcname=phase)
             for f in ("plan.json", "failures.log"):
                 if (self.out / f).exists():
                     tar.add(self.out / f, arcname=f)
@@ -109,7 +113,7 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--deadline-s", type=float, default=540.0, help="seconds from now when everything must be done")
     ap.add_argument("--jobs", type=int, default=15, help="probe runs at a time")
-    ap.add_argument("--main-jobs", type=int, default=20, help="main runs at a time (default 20: one wave)")
+    ap.add_argument("--main-jobs", type=int, default=22, help="main runs at a time (default 22: one wave)")
     ap.add_argument("--smoke", action="store_true", help="a few steps of the nano model on the CPU: checks the script")
     ap.add_argument("--main-steps", type=int, default=0, help="force the main phase's step count (0: chosen)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations")
@@ -122,12 +126,15 @@ def main() -> int:
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/scale-16m-work")
+    shutil.rmtree(work, ignore_errors=True)
     runner = Runner(args.out, work, start + args.deadline_s, args.jobs)
     configs = {k: CONFIGS[k] for k in args.configs.split(",") if k}
     plan: dict = {"started": start, "probe_steps": PROBE_STEPS, "base": BASE}
 
     probes = []
     for name, (lr, overrides) in configs.items():
+        if name in FOLLOWS:
+            continue
         for factor in (0.5, 1.0, 2.0):
             rate = float(f"{lr * factor:.3g}")
             probes.append((f"{name}__lr-{rate:g}", [*overrides, f"optim.lr={rate}", f"train.steps={PROBE_STEPS}",
@@ -140,6 +147,9 @@ def main() -> int:
         losses = {k.split("__lr-")[1]: s["val_loss"] for k, s in found.items() if s and k.startswith(name + "__")}
         picked[name] = float(min(losses, key=losses.get)) if losses else lr
         plan.setdefault("probe_losses", {})[name] = losses
+    for name, leader in FOLLOWS.items():
+        if name in configs:
+            picked[name] = picked.get(leader, configs[name][0])
     plan["picked"] = picked
     plan["probe_s"] = probe_s
     finished = sum(1 for s in found.values() if s)
