@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from harness import VOCAB, batch, strategy_config, tiny_model
 
 from lordo.comm import SimCommunicator
 from lordo.errors import ConfigError
@@ -16,6 +15,8 @@ from lordo.model import GPT, GPTConfig, group_parameters
 from lordo.optim import LowRankQHAdam, compact
 from lordo.strategies import build_strategy
 from lordo.strategies.footprint import excluded_storages, storage_key, walk
+
+from harness import VOCAB, batch, strategy_config, tiny_model
 
 
 def wider_model() -> GPT:
@@ -291,3 +292,39 @@ def test_a_lean_lordo_checkpoint_resumes_bit_identically():
     for a, b in zip(expected, models[0].parameters()):
         assert torch.equal(a, b)
     assert math.isfinite(float(sum(p.sum() for p in models[0].parameters())))
+
+
+# --- compression residuals folded into the model -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("compress", ["int4", "bf16", "sparse"])
+def test_a_folded_residual_is_the_buffered_one_subtracted_from_the_model(compress):
+    """After one round from the same state, the model of a worker that folds what compressing lost (``model``) is
+    the buffered run's model minus that run's residual buffer: the same e, kept in the weights instead."""
+    over = [f'strategy.compress="{compress}"']
+    buffered, models_b = build("local-adam", workers=3, overrides=over, model=wider_model)
+    folded, models_f = build("local-adam", workers=3, overrides=[*over, 'strategy.compress_residual="model"'],
+                             model=wider_model)
+    train(buffered, models_b, 2)
+    train(folded, models_f, 2)
+    for w_b, w_f in zip(buffered.workers, folded.workers):
+        assert w_f.residuals == [] and any(float(e.abs().max()) > 0 for e in w_b.residuals)
+        for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals):
+            assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * float(t_b.abs().max()))
+    held = folded.measured_state_bytes().get("compression_feedback", 0)  # the int4 shard owner's residual alone
+    assert held < 0.5 * buffered.measured_state_bytes()["compression_feedback"]
+
+
+def test_a_folded_residual_reaches_the_model_of_a_delayed_round_too():
+    """sync_delay = 1: a round that lands a step late carries the fold as well (the worker's own part of the round
+    is what it sent, x − e), so the worker's model after the landing differs from the buffered run's by −e."""
+    over = ['strategy.compress="int4"', "strategy.sync_delay=1"]
+    buffered, models_b = build("local-adam", workers=2, overrides=over, model=wider_model)
+    folded, models_f = build("local-adam", workers=2, overrides=[*over, 'strategy.compress_residual="model"'],
+                             model=wider_model)
+    train(buffered, models_b, 3)  # sent at step 2, landed at step 3 after the same local step in both runs
+    train(folded, models_f, 3)
+    assert buffered.in_flight is None and folded.in_flight is None
+    for w_b, w_f in zip(buffered.workers, folded.workers):
+        for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals):
+            assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * float(t_b.abs().max()))

@@ -38,9 +38,13 @@ STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lordo, lean (int8 anchor, E, full-rank moments)", ('strategy.name="lordo"', *LEAN)),
     ("lordo, lean with int4 E", ('strategy.name="lordo"', *LEAN4)),
     ("lordo, lean with int4 E, anchor in host memory", ('strategy.name="lordo"', *LEAN4, "strategy.offload_anchor=true")),
+    ("lordo, int4 rounds", ('strategy.name="lordo"', 'strategy.compress="int4"')),
     ("lordo, int4 rounds, sync_delay 1", ('strategy.name="lordo"', 'strategy.compress="int4"', "strategy.sync_delay=1")),
-    ("lordo, lean with int4 E, int4 rounds, sync_delay 1",
-     ('strategy.name="lordo"', *LEAN4, 'strategy.compress="int4"', "strategy.sync_delay=1")),
+    ("lordo, lean with int4 E, int4 rounds, residual folded",
+     ('strategy.name="lordo"', *LEAN4, 'strategy.compress="int4"', 'strategy.compress_residual="model"')),
+    ("lordo, lean with int4 E, int4 rounds, residual folded, sync_delay 1",
+     ('strategy.name="lordo"', *LEAN4, 'strategy.compress="int4"', 'strategy.compress_residual="model"',
+      "strategy.sync_delay=1")),
 )
 
 

@@ -275,6 +275,10 @@ class StrategyConfig(_Section):
                                 "coefficients, or through the sparse codec", _choice("dense", "sparse"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
+    compress_residual: str = _f("buffer", "where what compressing the pseudo-gradient lost waits for the next round "
+                                "(compress_feedback = true): buffer (a float32 buffer per worker, as large as the model) "
+                                "or model (folded into the worker's model after the round: it starts the next round at "
+                                "θ_new − e, so its next pseudo-gradient carries e; no buffer)", _choice("buffer", "model"))
     error_feedback_dtype: str = _f("float32", "storage of the low-rank projections' error-feedback buffers (the largest "
                                    "state LoRDO keeps): float32, bfloat16 (half), int8 or int4 (8 or 4 bits per element "
                                    "with a scale per block: about a quarter or an eighth; the step computes in float32)",

@@ -158,6 +158,7 @@ def _local_options(cfg: Config, default_average: str) -> dict:
         compress_settings=SparseSettings(s.compress_dense, s.compress_density, s.compress_bits, s.compress_fullrank),
         compression_feedback=s.compress_feedback, grad_clip=cfg.optim.grad_clip, sync_buffers=s.sync_buffers,
         offload_anchor=s.offload_anchor, sync_delay=s.sync_delay, anchor_dtype=s.anchor_dtype,
+        compression_residual=s.compress_residual,
         average_moments=default_average if s.average_moments == "auto" else s.average_moments,
         moment_periods={"exp_avg": s.sync_exp_avg_every, "exp_avg_sq": s.sync_exp_avg_sq_every},
     )

@@ -29,6 +29,7 @@ from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
 from .delayed import RoundInFlight, check_delay
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+RESIDUALS = ("buffer", "model")
 AVERAGED = ("none", "lowrank", "all")
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
@@ -62,7 +63,8 @@ class LocalUpdateStrategy(Strategy):
                  moment_periods: dict[str, int] | None = None, compress: str = "none",
                  compress_settings: SparseSettings | None = None, compression_feedback: bool = True,
                  grad_clip: float = 0.5, sync_buffers: bool = True,
-                 offload_anchor: bool = False, sync_delay: int = 0, anchor_dtype: str = "float32") -> None:
+                 offload_anchor: bool = False, sync_delay: int = 0, anchor_dtype: str = "float32",
+                 compression_residual: str = "buffer") -> None:
         super().__init__(models, comm, optimizers=optimizers, grad_clip=grad_clip, sync_buffers=sync_buffers)
         check_number("sync_every", sync_every, minimum=1, integer=True)
         check_number("sync_delay", sync_delay, integer=True)
@@ -105,10 +107,15 @@ class LocalUpdateStrategy(Strategy):
         # called with each averaged pseudo-gradient as it arrives, before the strategy acts on it (bases, outer
         # step): a benchmark or a diagnostic that wants the rounds' Δ; must not change it
         self.round_observers: list[Callable[[list[torch.Tensor]], None]] = []
+        if compression_residual not in RESIDUALS:
+            raise ConfigError(f"compression_residual must be one of {', '.join(RESIDUALS)}, got {compression_residual!r}")
+        # what compressing the pseudo-gradient lost: in buffers until the next round adds it, or folded into each
+        # worker's model after the round (the next round's pseudo-gradient then holds it: no buffer between rounds)
+        self.fold_residuals = compress != "none" and compression_feedback and compression_residual == "model"
         if compress != "none" and compression_feedback:
             codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
-                w.residuals = [torch.zeros_like(t) for t in w.tensors]
+                w.residuals = [] if self.fold_residuals else [torch.zeros_like(t) for t in w.tensors]
                 if isinstance(codec, BlockCodec):
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
@@ -197,13 +204,18 @@ class LocalUpdateStrategy(Strategy):
             live = self._moments(key)
             if live[0]:
                 moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
-        codecs, residuals = self.codecs, [w.residuals for w in self.workers]
+        codecs, residuals = self.codecs, self._round_residuals()
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
+        fold = self.fold_residuals
 
         def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order
             for key, (_, means) in moments.items():
                 average(comm, means, key, codecs[key])
             average(comm, mean, "pseudo_gradient", codecs["pseudo_gradient"], residuals, shard_residuals)
+            if fold:  # what each worker sent, x − e: landing with it leaves −e in the model (delayed.py)
+                for mine, lost in zip(own, residuals, strict=True):
+                    torch._foreach_sub_(mine, lost)
+                residuals.clear()
 
         self.in_flight = RoundInFlight(self.steps_done, own, mean, moments, self.round_input())
         self.in_flight.handle = self.comm.start_round(exchange)
@@ -259,9 +271,20 @@ class LocalUpdateStrategy(Strategy):
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
-        average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], [w.residuals for w in self.workers],
-                shard_residuals)
-        return self._apply_round(pseudo[0])
+        residuals = self._round_residuals()
+        average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], residuals, shard_residuals)
+        stats = self._apply_round(pseudo[0])
+        if self.fold_residuals:  # each worker starts the next round at θ_new − e: its next Δ carries e
+            for w, lost in zip(self.workers, residuals, strict=True):
+                torch._foreach_sub_(w.tensors, lost)
+        return stats
+
+    def _round_residuals(self) -> list[list[torch.Tensor]]:
+        """Each worker's compression residuals for this round: its buffers, or zeros that the round fills with what
+        it loses and that are folded into the model after it (``compression_residual = "model"``)."""
+        if self.fold_residuals:
+            return [[torch.zeros_like(t) for t in w.tensors] for w in self.workers]
+        return [w.residuals for w in self.workers]
 
     @torch.no_grad()
     def _apply_round(self, delta: list[torch.Tensor], own: list[list[torch.Tensor]] | None = None) -> dict[str, float]:
@@ -360,7 +383,7 @@ class LocalUpdateStrategy(Strategy):
         if self.sync_delay:  # held while a round is in flight: the pseudo-gradient sent and its mean, moments too
             moments = [t for key in MOMENTS for t in self._moments(key)[0]] if self.average != "none" else []
             out["round_in_flight"] = 2 * tensor_bytes(self.workers[0].tensors) + 2 * tensor_bytes(moments)
-        if self.workers[0].residuals:
+        if self.workers[0].residuals or self.workers[0].shard_residual is not None:
             out["compression_feedback"] = tensor_bytes([*self.workers[0].residuals, self.workers[0].shard_residual])
         return out
 

@@ -339,6 +339,7 @@ ADDED_FIELDS = {
     ("strategy", "error_feedback_dtype"): "float32",
     ("strategy", "moments_dtype"): "float32",
     ("strategy", "anchor_dtype"): "float32",
+    ("strategy", "compress_residual"): "buffer",
     ("dist", "shard"): False,
     ("optim", "inner"): "auto",
     # the Muon fields are read only with optim.inner = "muon", which an older run cannot have
