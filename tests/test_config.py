@@ -139,3 +139,15 @@ def test_sharded_workers_refuse_what_they_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_config(overrides=overrides)
     build_config(overrides=["dist.shard=true", "dist.ranks_per_worker=2"])  # what it runs with
+
+
+def test_set_wins_over_the_flags_and_a_replaced_value_is_checked_too(capsys):
+    """docs/cli.md's order: defaults < --model < --config < the other flags < --set; a value that a later one
+    replaces is still checked (red team W3: `--steps 2 --set train.steps=-5` ran)."""
+    from lordo.cli import main
+
+    for argv in (["--steps", "2", "--set", "train.steps=-5"], ["--steps", "-5", "--set", "train.steps=2"]):
+        assert main(["train", *argv, "--out", "/nonexistent/never"]) == 2
+        assert "train.steps must be > 0, got -5" in capsys.readouterr().err
+    cfg = build_config(overrides=["train.steps=7", "train.steps=9"])
+    assert cfg.train.steps == 9

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lordo.comm import SimCommunicator
+from lordo.config import build_config
 from lordo.errors import ConfigError
 from lordo.model import GPT, GPTConfig, group_parameters
 from lordo.optim import LowRankQHAdam, compact
@@ -328,3 +329,13 @@ def test_a_folded_residual_reaches_the_model_of_a_delayed_round_too():
     for w_b, w_f in zip(buffered.workers, folded.workers):
         for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals):
             assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * float(t_b.abs().max()))
+
+
+def test_one_flag_turns_the_lean_storage_on_where_the_strategy_has_it():
+    lean = build_config(overrides=['strategy.name="lordo"', 'strategy.memory="lean"', 'strategy.compress="int4"'])
+    s = lean.strategy
+    assert (s.anchor_dtype, s.error_feedback_dtype, s.moments_dtype, s.compress_residual) == ("int8", "int8", "int8", "model")
+    diloco = build_config(overrides=['strategy.name="diloco"', 'strategy.memory="lean"']).strategy
+    assert diloco.anchor_dtype == "float32"  # an outer momentum needs a float32 anchor: lean leaves it
+    mine = build_config(overrides=['strategy.memory="lean"', 'strategy.error_feedback_dtype="bfloat16"']).strategy
+    assert mine.error_feedback_dtype == "bfloat16" and mine.anchor_dtype == "int8"  # a value set is kept

@@ -23,7 +23,7 @@ def _train(args: argparse.Namespace) -> int:
     from .launch import launch_local, worker_command
     from .train.loop import train
 
-    overrides = list(args.set or [])
+    overrides = []  # the flags first: --set comes last and wins (docs/cli.md's order)
     for flag, key, quote in (
         (args.model, "model.preset", True),
         (args.steps, "train.steps", False),
@@ -35,9 +35,11 @@ def _train(args: argparse.Namespace) -> int:
         (args.rank, "strategy.rank", False),
         (args.omega, "strategy.omega", False),
         (args.log, "train.log", True),
+        ("lean" if args.lean else None, "strategy.memory", True),
     ):
         if flag is not None:
             overrides.append(f"{key}={json.dumps(flag) if quote else flag}")
+    overrides += list(args.set or [])
     tree = None
     if args.resume:
         tree = _resumed_config(Path(args.resume))
@@ -229,7 +231,8 @@ def make_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="train a model and write config.json, metrics.jsonl and summary.json",
-        description="Train a model. Settings: defaults < --model preset < --config file < --set overrides.",
+        description="Train a model. Settings: defaults < --model preset < --config file < the other flags < --set "
+                    "overrides (every value given is checked, also one a later one replaces).",
         epilog="configuration keys (for --set and the TOML file):\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -257,6 +260,9 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--rank", type=int, metavar="R", help="strategy.rank: rank of the low-rank moments")
     t.add_argument("--omega", type=float, metavar="W", help="strategy.omega: QH weight on the low-rank momentum")
     t.add_argument("--log", metavar="SINK", help="train.log: jsonl (default) or tensorboard (also OUT/tensorboard)")
+    t.add_argument("--lean", action="store_true",
+                   help="strategy.memory = lean: the optimizer state in the storage that passed its gates (about 0.4x "
+                        "AdamW's for lordo; docs/performance.md)")
     t.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override one config key, e.g. --set optim.lr=3e-3 (repeatable)"
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .run_config import PRESETS, SECTIONS, Config
-from .sections import ModelConfig
+from .sections import ModelConfig, check_field
 
 try:  # Python >= 3.11
     import tomllib
@@ -37,12 +37,14 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
-def _set_in(tree: dict[str, dict[str, Any]], section: str, name: str, value: Any) -> None:
+def _set_in(tree: dict[str, dict[str, Any]], section: str, name: str, value: Any, check: bool = False) -> None:
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r}; sections are: {', '.join(SECTIONS)}")
     allowed = [f.name for f in fields(SECTIONS[section])]
     if name not in allowed:
         raise ConfigError(f"unknown config key {section}.{name!r}; keys of [{section}] are: {', '.join(allowed)}")
+    if check:  # a value a later override replaces is still checked: a mistake is not hidden by another one
+        check_field(SECTIONS[section], name, value)
     tree.setdefault(section, {})[name] = value
 
 
@@ -96,7 +98,7 @@ def build_config(
             for name, value in body.items():
                 _set_in(given, section, name, value)
     for text in overrides:
-        _set_in(given, *parse_override(text))
+        _set_in(given, *parse_override(text), check=True)
 
     model = dict(given.get("model", {}))
     preset = model.get("preset", ModelConfig().preset)

@@ -55,6 +55,8 @@ class Config:
             )
         if self.strategy.compress in ("sparse", "basis"):
             self._check_sparse()
+        if self.strategy.memory == "lean":
+            self._apply_lean()
         self._check_storage()
         if self.optim.inner == "muon":
             self._check_muon()
@@ -89,6 +91,15 @@ class Config:
             raise ConfigError(f"strategy.compress = {s.compress!r} encodes each worker's whole pseudo-gradient; workers of "
                               "several ranks (dist.ranks_per_worker > 1) exchange shards: use compress = none, bf16, int8 "
                               "or int4")
+
+    def _apply_lean(self) -> None:
+        """``strategy.memory = "lean"``: each storage field still at its default takes its lean value, where the
+        strategy keeps that state (LEAN)."""
+        s = self.strategy
+        for key, (value, applies) in LEAN.items():
+            default = next(f.default for f in fields(StrategyConfig) if f.name == key)
+            if getattr(s, key) == default and applies(self):
+                object.__setattr__(s, key, value)
 
     def _check_storage(self) -> None:
         """How the state is stored (anchor_dtype, moments_dtype, error_feedback_dtype): where each applies."""
@@ -159,6 +170,18 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+
+LOWRANK_OPTIMIZER = ("lordo", "lordo-global-noqh", "lordo-local", "lowrank-ddp")  # LowRankQHAdam inside
+# strategy.memory = "lean": field -> (value, whether it applies to a config); docs/results.md has the gates
+LEAN: dict[str, tuple[Any, Any]] = {
+    "anchor_dtype": ("int8", lambda c: c.strategy.name not in ("ddp", "lowrank-ddp")
+                     and outer_settings(c.strategy) == (1.0, 0.0)),
+    "error_feedback_dtype": ("int8", lambda c: c.strategy.name in LOWRANK_OPTIMIZER and not c.optim.compile_step
+                             and not c.strategy.average_error_feedback),
+    "moments_dtype": ("int8", lambda c: c.strategy.name in LOWRANK_OPTIMIZER and c.strategy.average_moments != "all"),
+    "compress_residual": ("model", lambda c: c.strategy.compress != "none"),
+}
 
 
 def _section_types() -> dict[str, type]:

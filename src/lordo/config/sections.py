@@ -275,6 +275,10 @@ class StrategyConfig(_Section):
                                 "coefficients, or through the sparse codec", _choice("dense", "sparse"))
     compress_feedback: bool = _f(True, "keep what compressing the pseudo-gradient lost on each worker and add it to "
                                  "the next round's (error feedback), so nothing is lost over rounds")
+    memory: str = _f("default", "lean: every storage choice that kept perplexity within its gate at 2,000 steps "
+                     "(docs/results.md, 'Less memory'): the fields below that are at their defaults become "
+                     "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8 and compress_residual model, "
+                     "where the strategy has them; default: as each field says", _choice("default", "lean"))
     compress_residual: str = _f("buffer", "where what compressing the pseudo-gradient lost waits for the next round "
                                 "(compress_feedback = true): buffer (a float32 buffer per worker, as large as the model) "
                                 "or model (folded into the worker's model after the round: it starts the next round at "
@@ -382,6 +386,16 @@ def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
             return [float(v) for v in value]
         raise ConfigError(f"{key} must be a non-empty list of positive numbers, got {value!r}")
     raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def check_field(cls: type, name: str, value: Any) -> None:
+    """Coerce and check one field of section ``cls`` alone (the rules between fields are the section's)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    value = _coerce(cls._name, name, _field_types(cls)[name], value)  # type: ignore[attr-defined]
+    check = f.metadata.get("check")
+    problem = check(value) if check is not None else None
+    if problem:
+        raise ConfigError(f"{cls._name}.{name} {problem}, got {value!r}")  # type: ignore[attr-defined]
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -340,6 +340,7 @@ ADDED_FIELDS = {
     ("strategy", "moments_dtype"): "float32",
     ("strategy", "anchor_dtype"): "float32",
     ("strategy", "compress_residual"): "buffer",
+    ("strategy", "memory"): "default",
     ("dist", "shard"): False,
     ("optim", "inner"): "auto",
     # the Muon fields are read only with optim.inner = "muon", which an older run cannot have
