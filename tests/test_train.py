@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -178,3 +179,20 @@ def test_the_done_line_of_a_resumed_run_says_how_long_it_trained_in_all(capsys, 
     assert "8,192,000 tokens in 2257s of training (71s in this run, resumed at step 1901)" in capsys.readouterr().out
     _print_summary(dict(s, resumed_from_step=0, wall_s=2290.0), tmp_path)
     assert "8,192,000 tokens in 2290s (3,630 tokens/s while training)" in capsys.readouterr().out
+
+
+def test_progress_prints_a_plain_line_when_due_whatever_log_every_is(data_dir, tmp_path, monkeypatch):
+    """Off a terminal a line at least every Progress.AT_LEAST_S seconds (here 0: every step), also between metrics
+    rows, carrying the optimizer state measured from its tensors against AdamW's."""
+    import io
+
+    from lordo.train.metrics import Progress
+
+    monkeypatch.setattr(Progress, "AT_LEAST_S", 0.0)
+    stream = io.StringIO()
+    cfg = build_config(overrides=['model.preset="nano"', "train.steps=6", "train.log_every=100", "train.eval_every=100",
+                                  f'data.dir="{data_dir}"', "dist.workers=2"])
+    train(cfg, tmp_path / "run", log=lambda _: None, stream=stream)
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == [f"{s}/6" for s in range(1, 7)]
+    assert all(re.search(r"state [\d.]+ MiB \(\d\.\d\dx AdamW\)", line) for line in lines), lines

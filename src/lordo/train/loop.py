@@ -208,8 +208,10 @@ class Trainer:
                         row["comm_bytes"] = self.comm.ledger.total_bytes
                         row["comm_wire_bytes"] = self.comm.ledger.total_wire_bytes
                         metrics.write(row)
-                    if row and self.main:
+                    if self.main:  # every step: Progress prints when a line is due (also 30 s after the last one)
                         tps = (step - start) * self.tokens_per_step / max(self.state.train_s - train_s_at_start, 1e-9)
+                        if step == start + 1 or evaluated:
+                            self._memory_text = self._state_memory_text()
                         progress.update(step, self._progress_text(row, lr, tps), val_ppl=row.get("val_ppl"), force=evaluated)
                     self._checkpoint_if_due(step, stop_requested, stop.signum)
         finally:
@@ -323,9 +325,17 @@ class Trainer:
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
 
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
-        # an evaluation step that is not a logging step has no training loss: say nothing rather than "nan"
-        loss = f"loss {row['train_loss']:.3f}  " if "train_loss" in row else ""
-        return f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s"  # the last val_ppl: Progress keeps it
+        # the training loss of the last metrics row (between rows the last one stays); none yet: say nothing
+        if "train_loss" in row:
+            self._last_loss = f"loss {row['train_loss']:.3f}  "
+        loss = getattr(self, "_last_loss", "")
+        memory = getattr(self, "_memory_text", "")
+        return f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s{memory}"  # the last val_ppl: Progress keeps it
+
+    def _state_memory_text(self) -> str:
+        """The optimizer state one worker holds, measured from its tensors, against AdamW's."""
+        report = self.optimizer.memory_report()
+        return f"  state {report['total'] / 2**20:,.1f} MiB ({report['total'] / report['adamw']:.2f}x AdamW)"
 
     # ---------------------------------------------------------------------------------- checkpoints, resume
 

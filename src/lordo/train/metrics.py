@@ -77,9 +77,12 @@ class Progress:
     terminal (logs, CI, pipes) plain lines with elapsed time and ETA, every ``every`` steps, at evaluations, and
     at least every ``at_least_s`` seconds."""
 
-    def __init__(self, total: int, stream: TextIO, every: int, start: int = 0, at_least_s: float = 30.0,
+    AT_LEAST_S = 30.0  # the longest a run stays silent off a terminal
+
+    def __init__(self, total: int, stream: TextIO, every: int, start: int = 0, at_least_s: float | None = None,
                  enabled: bool = True) -> None:
-        self.total, self.stream, self.every, self.start, self.at_least_s = total, stream, every, start, at_least_s
+        self.total, self.stream, self.every, self.start = total, stream, every, start
+        self.at_least_s = self.AT_LEAST_S if at_least_s is None else at_least_s
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
         self.t0 = self.last = time.monotonic()
         self.val_ppl: float | None = None
