@@ -10,7 +10,8 @@ import torch
 
 from lordo.comm import SimCommunicator
 from lordo.comm.basis_codec import BasisCodec, SparseSettings
-from lordo.comm.codec import BlockCodec, sync_codecs
+from lordo.comm.codec import BlockCodec
+from lordo.comm.payloads import sync_codecs
 from lordo.comm.sparse import CHUNK, SparseCodec, average_sparse, pack_bits, unpack_bits
 from lordo.errors import ConfigError
 from lordo.model import group_parameters

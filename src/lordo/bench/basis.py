@@ -16,10 +16,10 @@ def capture_pseudo_gradients(preset: str, steps: int, rank: int, data_dir: str, 
                              batch_size: int = 4) -> list[dict[str, torch.Tensor]]:
     """Train ``lordo`` on the simulator for ``steps`` steps (K = steps // 2, so two synchronisations) and
     return, for each synchronisation, every low-rank matrix's averaged pseudo-gradient and its basis before."""
-    from ..api import DistributedOptimizer
     from ..comm import SimCommunicator
     from ..data import prepare
     from ..data.sampler import BatchSampler
+    from ..distributed_optimizer import DistributedOptimizer
     from ..model import build_model
     from ..strategies import LoRDOStrategy
 

@@ -61,8 +61,8 @@ def _device_bytes(measured: dict[str, int]) -> int:
 def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: int = 32) -> dict[str, Any]:
     """Build the strategy on two simulated workers, step until a synchronisation has happened (and, for a delayed
     one, while its round is in flight), measure worker 0's share; on a GPU also the allocator's growth."""
-    from ..api import DistributedOptimizer
     from ..comm import SimCommunicator
+    from ..distributed_optimizer import DistributedOptimizer
     from ..model import build_model
 
     cfg = build_config(overrides=[*overrides, "strategy.sync_every=2", "dist.workers=2"])

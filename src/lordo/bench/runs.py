@@ -84,8 +84,8 @@ def wire_benchmark(preset: str, rank: int, worlds: tuple[int, ...], sync_every: 
     one whole synchronisation period is run at K = 2 on ``preset``'s shapes with random tokens, its
     per-collective wire and payload bytes are taken from the ledger, and what is sent once a period is spread
     over ``sync_every`` steps. DDP's all-reduce of every gradient is the reference."""
-    from ..api import DistributedOptimizer
     from ..comm import SimCommunicator
+    from ..distributed_optimizer import DistributedOptimizer
     from ..model import build_model
 
     rows = []

@@ -28,7 +28,7 @@ import torch
 
 from ..optim.subspace import Side
 from .base import Communicator, TensorLists
-from .codec import COMPRESSIONS, BlockCodec, Codec, _scatter_into, average, padded_numel, shard_numel, sync_codecs
+from .codec import COMPRESSIONS, BlockCodec, Codec, _scatter_into, average, dense_codecs, padded_numel, shard_numel
 from .sparse import VALUE_BITS, SparseCodec, average_sparse
 
 FULLRANK = ("dense", "sparse")
@@ -90,7 +90,7 @@ class BasisCodec:
 
     def __init__(self, settings: SparseSettings) -> None:
         self.settings = settings
-        self.dense: Codec | BlockCodec = sync_codecs(settings.dense)["pseudo_gradient"]
+        self.dense: Codec | BlockCodec = dense_codecs(settings.dense)["pseudo_gradient"]
         self.sparse = SparseCodec(settings.density, settings.bits)
         self.bases: list[tuple[torch.Tensor, Side] | None] = []
 

@@ -11,25 +11,22 @@
 
 Error feedback (``residuals``, per worker, and ``shard_residuals``, per shard owner): what each of the two
 encodings lost is added to the next round's input, so over rounds nothing is lost (tests/test_compress.py).
-``sync_codecs(compress)`` names the codec of each payload for ``strategy.compress`` = none | bf16 | int8 | int4,
-and for ``sparse`` (``comm.sparse``: chunk-wise top-k, all-gathered) and ``basis`` (``comm.basis_codec``:
-coefficients in LoRDO's shared basis plus a sparse residual), whose settings are a ``SparseSettings``.
+``dense_codecs(compress)`` names the codec of each payload for ``strategy.compress`` = none | bf16 | int8 | int4;
+``comm.payloads.sync_codecs`` adds ``sparse`` (``comm.sparse``: chunk-wise top-k, all-gathered) and ``basis``
+(``comm.basis_codec``: coefficients in LoRDO's shared basis plus a sparse residual).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .base import Communicator, TensorLists
 from .compress import dequantize_int8_rows, dequantize_log_int8_rows, quantize_int8_rows, quantize_log_int8_rows
 from .sparse import SparseCodec, average_sparse
-
-if TYPE_CHECKING:
-    from .basis_codec import SparseSettings
 
 COMPRESSIONS = ("none", "bf16", "int8", "int4")  # dense codecs
 ALL_COMPRESSIONS = (*COMPRESSIONS, "sparse", "basis")
@@ -105,18 +102,10 @@ class BlockCodec:
         return (q * meta[:, None]).reshape(-1)
 
 
-def sync_codecs(compress: str, settings: SparseSettings | None = None) -> dict[str, AnyCodec]:
-    """The codec of each payload of a synchronisation: ``pseudo_gradient``, ``exp_avg``, ``exp_avg_sq``
-    (moments stay at 8 bits under int4: they are small, and second moments need the log domain; under sparse
-    and basis they travel as ``settings.dense`` says)."""
-    if compress in ("sparse", "basis"):
-        from .basis_codec import BasisCodec, SparseSettings
-
-        settings = settings or SparseSettings()
-        codecs = sync_codecs(settings.dense)
-        codecs["pseudo_gradient"] = (SparseCodec(settings.density, settings.bits) if compress == "sparse"
-                                     else BasisCodec(settings))
-        return codecs
+def dense_codecs(compress: str) -> dict[str, AnyCodec]:
+    """The codec of each payload of a synchronisation for a dense ``compress`` (none, bf16, int8, int4):
+    ``pseudo_gradient``, ``exp_avg``, ``exp_avg_sq`` (moments stay at 8 bits under int4: they are small, and second
+    moments need the log domain). comm/payloads.py adds the sparse and basis codecs."""
     if compress == "none":
         return dict.fromkeys(("pseudo_gradient", "exp_avg", "exp_avg_sq"), Codec())
     if compress == "bf16":
@@ -124,7 +113,7 @@ def sync_codecs(compress: str, settings: SparseSettings | None = None) -> dict[s
     if compress in ("int8", "int4"):
         return {"pseudo_gradient": BlockCodec(bits=int(compress[3:]), block=256 if compress == "int8" else 128),
                 "exp_avg": BlockCodec(bits=8), "exp_avg_sq": BlockCodec(log=True)}
-    raise ValueError(f"compress must be one of {', '.join(ALL_COMPRESSIONS)}, got {compress!r}")
+    raise ValueError(f"a dense compress must be one of {', '.join(COMPRESSIONS)}, got {compress!r}")
 
 
 def padded_numel(shapes_or_numels: Sequence, codec: BlockCodec) -> int:

@@ -157,7 +157,8 @@ class LowRankQHAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:  # a copy or an unpickled optimizer: nothing kept is valid
         super().__setstate__(state)
-        self.__dict__.setdefault("manages_bases", True)
+        if not hasattr(self, "manages_bases"):  # pickled before it existed
+            self.manages_bases = True
         self._reset_bookkeeping()
 
     def add_param_group(self, param_group: dict) -> None:

@@ -21,7 +21,8 @@ from torch import nn
 
 from ..comm import Communicator
 from ..comm.basis_codec import SparseSettings, check_sparse
-from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel, sync_codecs
+from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel
+from ..comm.payloads import sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
 from .anchor import Anchor

@@ -22,11 +22,12 @@ from typing import Any, TextIO
 
 import torch
 
-from ..api import DistributedOptimizer, reshard, worker_mesh
 from ..comm import make_communicator
+from ..comm.torch_dist import worker_mesh
 from ..config import Config
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
+from ..distributed_optimizer import DistributedOptimizer, reshard
 from ..errors import ConfigError, NonFiniteError, Stopped, WriteError
 from ..files import atomic_write, write_json
 from ..model import GPT, build_model, format_groups

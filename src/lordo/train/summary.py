@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import DistributedOptimizer
 from ..comm import Communicator
 from ..comm.ledger import Ledger
 from ..config import Config
+from ..distributed_optimizer import DistributedOptimizer
 
 
 def modeled_wall_s(cfg: Config, ledger: Ledger, compute_s: float, bandwidth: float) -> float:
