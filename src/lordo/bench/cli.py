@@ -55,10 +55,19 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies (default: all but diloco)")
     r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run (repeatable)")
+    tp = sub.add_parser("throughput", help="tokens/s of training in float32, bfloat16 autocast, torch.compile and both, at "
+                        "1 and 2 threads (short runs, round-robin)")
+    tp.add_argument("--preset", default="paper-16m", help="model shape preset (default paper-16m)")
+    tp.add_argument("--strategy", default="lordo", help="strategy (default lordo)")
+    tp.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    tp.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compiling; default 10)")
+    tp.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts (default 1,2)")
+    tp.add_argument("--repeats", type=int, default=2, help="runs per setting, round-robin (median tokens/s)")
+    tp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
     from .link import add_parser as add_link
 
     k = add_link(sub)
-    for q in (s, b, w, m, r, k):
+    for q in (s, b, w, m, r, k, tp):
         q.add_argument("--json", metavar="FILE", help="also write the numbers to FILE (JSON); without it they are printed only")
         q.add_argument("--data-dir", default="data", help="data folder (default ./data)")
     return ap
@@ -106,6 +115,19 @@ def main(argv: list[str]) -> int:
         off = within(res["rows"])
         if off:
             print(f"accounted and measured differ by more than 2 %: {', '.join(off)}", file=sys.stderr)
+    elif args.what == "throughput":
+        from .throughput import throughput_benchmark
+
+        threads = tuple(int(x) for x in args.threads.split(",") if x)
+        if args.steps <= args.warmup + 5 or not threads or min(threads) < 1:
+            raise ConfigError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by more than 5, and --threads "
+                              f"list counts >= 1, got {args.threads!r}")
+        extra = tuple(x for kv in args.set for x in ("--set", kv)) + ("--data-dir", args.data_dir)
+        res = throughput_benchmark(args.preset, args.strategy, args.steps, args.warmup, threads, args.repeats, extra)
+        print_table(f"training tokens/s, {args.preset}, {args.strategy}, {args.steps} steps ({args.warmup} left out), "
+                    f"{args.repeats} runs per setting round-robin; ratio = median / fp32 at {threads[0]} thread(s)",
+                    res["rows"], [("name", "setting", "s"), ("tokens_per_s", "tokens/s", ",.0f"), ("ratio", "× fp32", ".2f")])
+        _write(out, res)
     elif args.what == "wire":
         worlds = tuple(int(x) for x in args.workers.split(",") if x)
         if not worlds or min(worlds) < 2:
