@@ -10,6 +10,8 @@ DATA   ?= data
 
 demo: $(STAMP) data
 	$(BIN)/lordo train --config configs/demo.toml --out runs/demo
+	@echo "--- what the model writes (lordo sample runs/demo --prompt ...):"
+	$(BIN)/lordo sample runs/demo --prompt "KING HENRY:" --tokens 60 --temperature 0.8 --top-k 40
 
 test: lint data
 	$(BIN)/python -m pytest -q --durations=25

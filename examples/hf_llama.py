@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--data-dir", default=os.environ.get("LORDO_DATA_DIR", "data"))
+    ap.add_argument("--save", metavar="DIR", help="save the trained model and tokenizer there (save_pretrained): "
+                    "from_pretrained loads it, lm_eval --model hf --model_args pretrained=DIR scores it")
     args = ap.parse_args()
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -83,6 +85,13 @@ def main() -> None:
         saved = f"{1 / comm['ratio_to_ddp']:.1f}x less than DDP" if comm["ratio_to_ddp"] else "one worker: nothing sent"
         print(f"{opt}\nval loss {val_loss:.3f} (ppl {math.exp(val_loss):.1f}); {comm['bytes_total']:,} bytes sent per "
               f"worker, {saved}; optimizer state {memory['total'] / memory['adamw']:.2f}x AdamW's")
+    if opt.is_main and args.save:  # after finish(): every worker holds this model
+        from transformers import PreTrainedTokenizerFast
+
+        model.save_pretrained(args.save)
+        PreTrainedTokenizerFast(tokenizer_file=str(data.root / "tokenizer.json"), eos_token="<|endoftext|>",
+                                bos_token="<|endoftext|>", model_max_length=args.seq_len).save_pretrained(args.save)
+        print(f"saved the model and its tokenizer to {args.save}")
     opt.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -22,7 +22,7 @@ from lordo.cli import main
 from lordo.comm import SimCommunicator
 from lordo.config import build_config
 from lordo.errors import ConfigError, NonFiniteError
-from lordo.train.checkpoint import Checkpointer, CheckpointError, _load_tensor_file
+from lordo.train.checkpoint import Checkpointer, CheckpointError, read_tensor_file
 from lordo.train.loop import train
 from lordo.train.metrics import TIMING_FIELDS
 
@@ -292,7 +292,7 @@ def test_fuzzed_checkpoint_files_and_config_files_give_clear_errors(tmp_path):
         # a matching checksum, so the bytes themselves reach torch.load
         path.with_name("x.pt.sha256").write_text(hashlib.sha256(data).hexdigest())
         try:  # anything but a CheckpointError naming the file (or a clean load) fails the test
-            _load_tensor_file(path)
+            read_tensor_file(path)
         except CheckpointError as exc:
             assert str(path) in str(exc)
             errors += 1

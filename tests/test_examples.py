@@ -49,6 +49,20 @@ def test_plain_loop_example_with_workers_sharded_by_fsdp2(data_dir, plain_loop):
     assert state_bytes(out) < 0.6 * state_bytes(plain_loop)  # a rank holds its shards (and whole bases)
 
 
-def test_hf_llama_example_on_two_gloo_processes(data_dir):
-    pytest.importorskip("transformers", reason="the hf extra is not installed")
-    check_final_lines(torchrun("hf_llama.py", data_dir))
+def test_hf_llama_example_on_two_gloo_processes_and_its_saved_model(data_dir, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+    out = torchrun("hf_llama.py", data_dir, "--save", str(tmp_path / "hf"))
+    check_final_lines(out)
+    # the saved folder is what from_pretrained (and lm_eval's hf model) reads: the same model, the same val loss
+    import torch
+
+    from lordo.data import prepare
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    data = prepare.load(prepare.prepared_dir(data_dir, 4096, 0.05))
+    val = torch.from_numpy(data.val[: 8 * 65].astype("int64")).view(8, 65)
+    with torch.no_grad():
+        loss = model(input_ids=val, labels=val).loss.item()
+    assert loss == pytest.approx(float(re.search(r"val loss ([0-9.]+)", out).group(1)), abs=1e-3)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.decode(tokenizer("To be")["input_ids"]) == "To be"

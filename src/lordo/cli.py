@@ -1,4 +1,5 @@
-"""Command line: ``lordo train``, ``sweep``, ``report``, ``plot``, ``data fetch|prepare|info``."""
+"""Command line: ``lordo train``, ``sweep``, ``report``, ``plot``, ``sample``, ``export``, ``eval``, ``bench``, ``data
+fetch|prepare|info``."""
 
 from __future__ import annotations
 
@@ -297,6 +298,10 @@ def make_parser() -> argparse.ArgumentParser:
     pl.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folders of lordo train (with metrics.jsonl)")
     pl.add_argument("--out", default="plot.png", metavar="FILE.png", help="where to write the PNG (default plot.png)")
     pl.set_defaults(func=_plot)
+
+    from .trained import add_parsers as add_model_commands
+
+    add_model_commands(sub)  # sample, export, eval
 
     bn = sub.add_parser(
         "bench",

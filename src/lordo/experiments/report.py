@@ -42,6 +42,7 @@ def _read_runs(root: Path) -> list[dict[str, Any]]:
                 "values": values_by_dir.get(folder.name, {}),
                 "summary": summary,
                 "metrics": read_jsonl(metrics) if metrics.exists() else [],
+                "eval": (read_json(folder / "eval.json") or {}).get("tasks", {}),  # lordo eval's scores
             }
         )
     return runs
@@ -116,6 +117,14 @@ def _adamw_ratio(summary: dict[str, Any], state: int) -> str:
     return f"{state / (8 * params):.2f}" if params else "–"
 
 
+def _task_score(members: list[dict[str, Any]], task: str) -> str:
+    """A downstream task's headline metric over the runs that were scored on it (mean ± std)."""
+    from ..model.downstream import headline
+
+    values = [headline(m["eval"][task]) for m in members if task in m["eval"]]
+    return _mean_std([v for v in values if v is not None], 4) if values else "–"
+
+
 def write_report(root: str | Path) -> Path:
     root = Path(root)
     runs = _read_runs(root)
@@ -125,14 +134,15 @@ def write_report(root: str | Path) -> Path:
     for run in runs:
         groups.setdefault(_group_key(run), []).append(run)
 
+    tasks = sorted({t for run in runs for t in run["eval"]})  # downstream scores, where lordo eval wrote them
     lines = [
         f"# Report: {root.name}",
         "",
         f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
         "",
         "| point | seeds | val ppl | val loss | bytes sent / step (payload) | × ddp | modelled comm s @ 1 / 10 Gbit/s "
-        "| optimizer state (bytes) | × AdamW | basis overlap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| optimizer state (bytes) | × AdamW | basis overlap |" + "".join(f" {t} |" for t in tasks),
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(tasks),
     ]
     for key, members in groups.items():
         s = [m["summary"] for m in members]
@@ -145,6 +155,7 @@ def write_report(root: str | Path) -> Path:
             f"| {key} | {len(members)} | {_mean_std([x['val_ppl'] for x in s])} | {_mean_std([x['val_loss'] for x in s])} "
             f"| {sent:,.0f} ({statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f}) | {ratio} | {_wall(s)} "
             f"| {state:,} | {_adamw_ratio(s[0], state)} | {_mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
+            + "".join(f" {_task_score(members, t)} |" for t in tasks)
         )
     plots = _plots(root, runs)
     lines += ["", "## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

@@ -63,7 +63,7 @@ def _save_tensor_file(path: Path, obj: Any) -> None:
     atomic_write(path.with_name(path.name + ".sha256"), hashlib.sha256(data).hexdigest().encode() + b"\n")
 
 
-def _load_tensor_file(path: Path) -> Any:
+def read_tensor_file(path: Path) -> Any:
     """Read a checkpoint file, checking it against its checksum; raise CheckpointError naming the file."""
     try:
         data = path.read_bytes()
@@ -283,8 +283,8 @@ class Checkpointer:
         meta = self.read_meta(folder)
         if check_meta is not None:
             check_meta(meta)
-        shared = _load_tensor_file(folder / "shared.pt")
-        workers = [_load_tensor_file(folder / worker_file(r, self.shard)) for r in self.comm.local_ranks]
+        shared = read_tensor_file(folder / "shared.pt")
+        workers = [read_tensor_file(folder / worker_file(r, self.shard)) for r in self.comm.local_ranks]
         return meta, shared, workers
 
 

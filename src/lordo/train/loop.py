@@ -441,6 +441,9 @@ class Trainer:
                                "data": str(self.data.root), "world_size": self.comm.world_size,
                                "communicator": type(self.comm).__name__}
         write_json(self.out / "config.json", resolved)
+        tokenizer = self.data.root / "tokenizer.json"
+        if tokenizer.is_file():  # the run folder is self-contained: lordo sample / export read it from there
+            atomic_write(self.out / "tokenizer.json", tokenizer.read_bytes())
 
 
 __all__ = ["RunState", "Trainer", "build_model", "evaluate", "resolve_device", "train"]

@@ -1,0 +1,81 @@
+"""Downstream tasks through EleutherAI's lm-evaluation-harness (``lm-eval``, the ``eval`` extra): the run's model
+is exported as a Hugging Face folder (model/export.py) and scored by the harness's ``hf`` model, as
+``lm_eval --model hf --model_args pretrained=DIR --tasks ...`` would; the scores go into the run's folder as
+``eval.json`` (one entry per task: its metrics), which ``lordo report`` shows as columns.
+
+The public tasks (arc_easy, hellaswag, mmlu, piqa, ...) download their data from the Hugging Face hub the first
+time; a machine without internet access can run a task of its own from local files (``include_path``: a folder of
+task YAMLs, docs/training.md shows one).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..files import write_json
+from .export import TrainedModel, export_hf
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:
+        raise ConfigError(f"lordo eval runs EleutherAI's lm-evaluation-harness: pip install 'lordo[eval]' ({exc})") from None
+    return lm_eval, TaskManager
+
+
+def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None = None, limit: int | None = None,
+              batch_size: int = 8, device: str = "cpu") -> dict[str, dict[str, float]]:
+    """Each task's metrics (numbers only) for ``trained``, scored by the harness on its exported Hugging Face form."""
+    lm_eval, task_manager = _lm_eval()
+    if trained.tokenizer_file is None:
+        raise ConfigError("this run trained on token files without a tokenizer: the harness needs one to read its tasks")
+    manager = task_manager(include_path=include_path) if include_path else task_manager()
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        where = f" or in {include_path}" if include_path else ""
+        raise ConfigError(f"unknown task(s) {', '.join(unknown)}: not among lm-eval's tasks{where} (lm_eval --tasks list "
+                          "lists them)")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(trained, Path(tmp) / "model")
+        results = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=tasks, task_manager=manager,
+            limit=limit, batch_size=batch_size, device=device, log_samples=False)
+    scores: dict[str, dict[str, float]] = {}
+    for task, metrics in results["results"].items():
+        numbers = {k.replace(",none", ""): float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+                   and not k.startswith("sample")}
+        scores[task] = numbers
+    return scores
+
+
+def save_scores(run: Path, scores: dict[str, dict[str, float]], source: str, limit: int | None) -> Path:
+    """Merge ``scores`` into ``run/eval.json`` (tasks scored before keep their entries unless scored again)."""
+    path = run / "eval.json"
+    held: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            held = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            held = {}
+    tasks = dict(held.get("tasks", {}))
+    for task, metrics in scores.items():
+        tasks[task] = {**metrics, "model": source, "limit": limit}
+    write_json(path, {"tasks": tasks})
+    return path
+
+
+def headline(metrics: dict[str, Any]) -> float | None:
+    """The number a table shows for a task: its normalised accuracy, else its accuracy, else its first metric."""
+    for key in ("acc_norm", "acc", "exact_match", "f1"):
+        if key in metrics:
+            return float(metrics[key])
+    numbers = [v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("stderr") and k != "limit"]
+    return float(numbers[0]) if numbers else None
