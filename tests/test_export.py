@@ -25,7 +25,7 @@ def fake_run(folder, data_dir, dataset, preset: str, seed: int = 0):
     cfg = build_config(overrides=[f'model.preset="{preset}"', f'data.dir="{data_dir}"', f"train.seed={seed}"])
     model = build_model(cfg, dataset.vocab_size)
     with torch.no_grad():  # norms away from 1, so that a mapped-wrong norm would show
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     folder.mkdir(parents=True)

@@ -162,5 +162,4 @@ def main(argv: list[str]) -> int:
 def _write(out: Path | None, res: dict) -> None:
     """The numbers into ``--json FILE`` if given (a benchmark writes nothing into the checkout on its own)."""
     if out is not None:
-        write_json(out, res)
-        print(f"wrote {out}", file=sys.stderr)
+        write_json(out, res)  # says where

@@ -121,7 +121,7 @@ def load_trained(run: str | Path, checkpoint: str | None = None, data_dir: str |
     model = GPT(gpt_config(config, vocab))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     if "__shards__" in weights:
-        weights = _gather_shards(weights["__shards__"], shapes)  # type: ignore[arg-type]
+        weights = _gather_shards(weights["__shards__"], shapes)
     got = {k: tuple(v.shape) for k, v in weights.items()}
     if got != {k: tuple(s) for k, s in shapes.items()}:
         differ = sorted(k for k in set(got) | set(shapes) if got.get(k) != tuple(shapes.get(k, ())))
@@ -134,7 +134,7 @@ def load_trained(run: str | Path, checkpoint: str | None = None, data_dir: str |
 
 def _vocab_size(weights: dict[str, Any]) -> int:
     if "__shards__" in weights:
-        return int(sum(s["tok_emb.weight"].shape[0] for s in weights["__shards__"]))  # type: ignore[index]
+        return int(sum(s["tok_emb.weight"].shape[0] for s in weights["__shards__"]))
     if "tok_emb.weight" not in weights:
         raise ExportError("the weights hold no tok_emb.weight: not a model lordo's GPT wrote")
     return int(weights["tok_emb.weight"].shape[0])
