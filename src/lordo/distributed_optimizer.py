@@ -133,6 +133,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if lr is not None:
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr >= 0 and lr < float("inf")):
+                raise ConfigError(f"step(lr=...) must be a finite number >= 0, got {lr!r}")
             for group in self.param_groups:
                 group["lr"] = float(lr)
         if self._amp_skip():
@@ -206,15 +208,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state = self.strategy.state_dict()
         state["ledger"] = self.comm.ledger.state_dict()
         state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        state["identity"] = self._identity()
         return state
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state must match to load here: the strategy, the trained tensors' shapes, each group's rank."""
+        return {"strategy": self.strategy.name,
+                "shapes": [list(t.shape) for t in self.strategy.workers[0].tensors],
+                "ranks": [g.get("rank") for g in self.strategy.workers[0].optimizer.param_groups]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, in a process hosting the same workers: build this optimizer,
         load each model's own state, then this (building copies worker 0's weights to every worker; a state
         saved between synchronisations over weights that copy replaced is refused with a clear error)."""
-        missing = {"shared", "workers"} - set(state)
+        missing = {"shared", "workers"} - set(state) if isinstance(state, dict) else {"shared", "workers"}
         if missing:
             raise ValueError(f"not a lordo optimizer state: keys {sorted(missing)} are missing")
+        self._check_state(state)  # before anything is loaded: a refused state changes nothing
         self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
         self._check_load_order()
         if "ledger" in state:
@@ -224,6 +234,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"state holds {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(saved)
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state saved by another strategy, another rank or another model, naming what differs. States
+        saved before ``identity`` existed are compared by their structure (the anchor, the groups' ranks)."""
+        mine = self._identity()
+        saved = state.get("identity")
+        differences = []
+        if saved is not None:
+            for key, what in (("strategy", "strategy"), ("ranks", "rank of each parameter group"),
+                              ("shapes", "shapes of the trained tensors")):
+                if saved.get(key) != mine[key]:
+                    theirs, ours = saved.get(key), mine[key]
+                    if key == "shapes":
+                        bad = [i for i, (a, b) in enumerate(zip(theirs or [], ours)) if a != b]
+                        theirs = f"{len(theirs or [])} tensors" + (f", #{bad[0]} {theirs[bad[0]]}" if bad else "")
+                        ours = f"{len(ours)} tensors" + (f", #{bad[0]} {ours[bad[0]]}" if bad else "")
+                    differences.append(f"{what}: saved {theirs}, here {ours}")
+        else:
+            has_anchor, wants_anchor = "anchor" in state["shared"], "anchor" in self.strategy.shared_state()
+            if has_anchor != wants_anchor:
+                differences.append("strategy: saved by one " + ("with" if has_anchor else "without") + " an anchor "
+                                   "(local-update or synchronous), here " + self.strategy.name)
+            groups = state["workers"][0].get("optimizer", {}).get("param_groups", []) if state["workers"] else []
+            ranks = [g.get("rank") for g in groups]
+            if groups and ranks != mine["ranks"]:
+                differences.append(f"rank of each parameter group: saved {ranks}, here {mine['ranks']}")
+        if differences:
+            raise ConfigError("this optimizer state does not fit this optimizer; nothing was loaded. It differs in: "
+                              + "; ".join(differences))
 
     def _check_load_order(self) -> None:
         """A mid-round state needs each worker's own weights; refuse them if the initial broadcast replaced them

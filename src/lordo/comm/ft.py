@@ -187,8 +187,7 @@ class TorchFTCommunicator(Communicator):
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
             raise CommError(f"no quorum for the {kind} round after step {step}: the Lighthouse at {self.lighthouse} "
                             f"did not answer ({type(exc).__name__}: {first}). Every torchft worker needs it: start a "
-                            "Lighthouse and every worker again with the same commands, and each resumes from its newest "
-                            "checkpoint (docs/multi-node.md)") from exc
+                            "Lighthouse and every worker again with the same commands (docs/multi-node.md)") from exc
 
     def _commit(self, strategy, kind: str, attempt: int) -> None:
         self._committed = strategy.snapshot()

@@ -122,6 +122,11 @@ class DataConfig(_Section):
             )
         if not 0 < self.val_fraction < 0.5:
             raise ConfigError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        from pathlib import Path
+
+        if Path(self.dir).exists() and not Path(self.dir).is_dir():
+            raise ConfigError(f"data.dir (--data-dir) must be a folder (it holds packages/ and prepared/), got the file "
+                              f"{self.dir!r}; to train on your own text files use data.corpus = \"{self.dir}\"")
 
 
 MUON_STRATEGIES = ("ddp", "local-adam", "diloco")  # the strategies whose inner optimizer optim.inner may change

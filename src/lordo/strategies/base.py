@@ -183,6 +183,13 @@ class Strategy(ABC):
         with no gradient at all has not run backward, which is an error."""
         out = []
         for w in self.workers:
+            frozen = [i for i, p in enumerate(w.params) if not p.requires_grad]
+            if frozen:
+                names = {id(p): n for n, p in w.model.named_parameters()}
+                listed = ", ".join(names.get(id(w.params[i]), "?") for i in frozen[:3]) + (", ..." if len(frozen) > 3 else "")
+                raise ConfigError(f"parameter(s) {listed} were frozen (requires_grad=False) after the optimizer was built: "
+                                  "it trains, averages and keeps state for every parameter it was built with. Freeze "
+                                  "them before building it (they are then left out), or leave them trainable")
             missing = [i for i, p in enumerate(w.params) if p.grad is None]
             if len(missing) == len(w.params):
                 raise RuntimeError(f"no parameter of worker {w.rank} has a gradient: call loss.backward() before step()")

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import torch
 
 from ..comm import make_communicator
-from ..comm.torch_dist import worker_mesh
+from ..comm.torch_dist import CommError, worker_mesh
 from ..config import Config
 from ..data import prepare as data_prep
 from ..data.sampler import BatchSampler, eval_batches
@@ -246,6 +246,8 @@ class Trainer:
                     stats.update(self.optimizer.finish())
             except NonFiniteError as exc:
                 raise NonFiniteError(f"{exc}; last good checkpoint: {self._last_good()}") from None
+            except CommError as exc:
+                raise CommError(f"{exc}. {self._restart_hint()}") from None
             self.window += losses.mean()
             self.state.loss_n += 1
             self.state.skipped_in_a_row = 0
@@ -267,10 +269,13 @@ class Trainer:
         return loss.detach().float()
 
     def _skip(self, step: int, losses: torch.Tensor) -> dict[str, float]:
+        bad = self._nonfinite_workers(losses)
         if self.cfg.train.on_nonfinite == "stop":
+            own = {r: v for r, v in zip(self.comm.local_ranks, losses.tolist())}
             raise NonFiniteError(
-                f"the loss is not finite at step {step} (worker losses {losses.tolist()}); last good checkpoint: "
-                f"{self._last_good()}. Lower optim.lr, or set train.on_nonfinite=skip to skip such steps"
+                f"the loss is not finite at step {step} on worker(s) {bad} (losses of the workers in this process: "
+                f"{own}); last good checkpoint: {self._last_good()}. Lower optim.lr, or set train.on_nonfinite=skip "
+                "to skip such steps"
             )
         for m in self.models:  # skip the step on every worker, keep the data position moving
             m.zero_grad(set_to_none=True)
@@ -283,6 +288,19 @@ class Trainer:
             )
         self.log(f"step {step}: non-finite loss, step skipped on every worker ({self.state.skipped} so far)")
         return {"skipped_nonfinite": 1.0}
+
+    def _nonfinite_workers(self, losses: torch.Tensor) -> list[int]:
+        """The workers whose loss was not finite at this step, everywhere alike (one small collective, only on such a
+        step; under torchft, where each worker decides alone, this process's own)."""
+        flags = torch.zeros(self.comm.world_size, dtype=torch.float64)
+        for rank, value in zip(self.comm.local_ranks, losses.tolist()):
+            if not math.isfinite(value):
+                flags[rank] = 1.0
+        if not self.comm.fault_tolerant and self.comm.world_size > 1:
+            hosted = [[flags.clone()] for _ in self.comm.local_ranks]
+            self.comm.all_reduce_mean(hosted, tag="nonfinite", accounted=False)
+            flags = hosted[0][0]
+        return [rank for rank, v in enumerate(flags.tolist()) if v > 0]
 
     # ------------------------------------------------------------------------------------ metrics, evaluation
 
@@ -342,7 +360,10 @@ class Trainer:
 
     def join(self) -> None:
         """Under torchft: start with the other workers, or recover from them and continue at their step."""
-        step = self.optimizer.join()
+        try:
+            step = self.optimizer.join()
+        except CommError as exc:
+            raise CommError(f"{exc}. {self._restart_hint()}") from None
         if step != self.state.step:  # the others were ahead (else: a fresh start, or all resumed together)
             self.log(f"recovered from a peer: continuing at step {step}")
             self.state.step = step
@@ -431,6 +452,13 @@ class Trainer:
                 + "\n  ".join(problems)
                 + "\nuse another --out, or the checkpoint's settings (lordo train --resume DIR reads them)"
             )
+
+    def _restart_hint(self) -> str:
+        """What a restart of this worker starts from: its newest intact checkpoint, or step 0 when it has none."""
+        latest = self.checkpoints.latest_intact_name()
+        if latest is None:
+            return "This worker has no checkpoint yet: started again, it begins at step 0"
+        return f"Started again, this worker resumes from its checkpoint {latest}"
 
     def _last_good(self) -> str:
         return self.checkpoints.latest_intact_name() or "none (no intact checkpoint was saved yet)"
