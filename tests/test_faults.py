@@ -172,3 +172,34 @@ def test_a_diverged_model_under_skip_stops_and_keeps_its_finite_checkpoints(data
     for folder in (tmp_path / "checkpoints").iterdir():
         state = torch.load(folder / "worker-00000.pt", weights_only=True)
         assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
+
+
+KILL_RANK = """
+import os
+if os.environ.get("RANK") == os.environ.get("KILL_RANK"):
+    import lordo.train.loop as loop
+    _forward_backward = loop.Trainer._forward_backward
+    calls = [0]
+    def dying(self, forward, sampler):
+        calls[0] += 1
+        if calls[0] == int(os.environ["KILL_AT"]):
+            os._exit(9)  # as a killed process: no message, no cleanup
+        return _forward_backward(self, forward, sampler)
+    loop.Trainer._forward_backward = dying
+"""
+
+
+def test_a_killed_rank_of_a_sharded_worker_is_named_by_its_sibling_in_one_line(data_dir, tmp_path):
+    """W7: dist.shard = true, 2 workers of 2 ranks; rank 1 (worker 0's second rank) dies mid-step: its sibling,
+    inside FSDP2's gathers, says so in one line with where a restart would start, not a raw traceback."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(textwrap.dedent(KILL_RANK))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'inject'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               KILL_RANK="1", KILL_AT="4", OMP_NUM_THREADS="1")
+    out = tmp_path / "run"
+    done = gloo(data_dir, out, "--steps", "20", "--set", "dist.ranks_per_worker=2", "--set", "dist.shard=true",
+                "--set", "dist.timeout_s=60", env=env)
+    assert done.returncode != 0
+    assert "another rank of this worker stopped answering during the forward/backward" in done.stderr, done.stderr[-3000:]
+    assert "This worker has no checkpoint yet: started again, it begins at step 0" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -229,7 +229,15 @@ class Trainer:
         # the schedule keeps the length it was laid out for; steps added on resume run at its final lr
         total = self.state.schedule_steps
         lr = self.cfg.optim.lr * lr_factor(min(step, total) - 1, total, self.cfg.schedule)
-        losses = torch.stack([self._forward_backward(forward, sampler) for forward, sampler in zip(self.forwards, self.samplers)])
+        try:
+            losses = torch.stack([self._forward_backward(forward, sampler) for forward, sampler in zip(self.forwards, self.samplers)])
+        except Exception as exc:
+            if not (self.sharded and _is_link_failure(exc)):
+                raise
+            # FSDP2 gathers the shards in forward and backward: a rank of this worker that died shows up here
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise CommError(f"step {step}: another rank of this worker stopped answering during the forward/backward "
+                            f"(FSDP2's gathers of the shards; {type(exc).__name__}: {first}). {self._restart_hint()}") from None
         # one host read per step for every hosted worker; every process must take the same branch
         nonfinite, stop_requested = self.comm.agree([not bool(torch.isfinite(losses).all()), stop_signalled])
         if nonfinite:
@@ -472,6 +480,16 @@ class Trainer:
         tokenizer = self.data.root / "tokenizer.json"
         if tokenizer.is_file():  # the run folder is self-contained: lordo sample / export read it from there
             atomic_write(self.out / "tokenizer.json", tokenizer.read_bytes())
+
+
+def _is_link_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective's failure (a peer gone, a broken connection), not a bug or a bad input."""
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if dist_error and isinstance(exc, dist_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(m in text for m in (
+        "Connection closed", "Connection reset", "Gloo", "gloo", "NCCL", "Socket", "peer", "Broken pipe", "timed out"))
 
 
 __all__ = ["RunState", "Trainer", "build_model", "evaluate", "resolve_device", "train"]
