@@ -267,6 +267,22 @@ def test_workers_that_start_with_other_settings_are_refused(tmp_path):
         assert p.returncode != 0 and "the workers start with different settings" in text, text[-2000:]
 
 
+def test_two_workers_with_the_same_replica_index_are_refused(tmp_path):
+    """W1: two workers started with the same REPLICA_GROUP_ID (replica 0 twice; the run has workers 0 and 1) would
+    train on the same data shard: both refuse at the start, naming the variable."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1500)
+    try:
+        base = dict(workers=2, lighthouse=server.address(), min_workers=2, strategy="lordo", sync_every=K, steps=8,
+                    out=str(tmp_path), incarnation=0)
+        procs = [subprocess.Popen([sys.executable, str(WORKER), json.dumps(dict(base, replica=0))],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        server.shutdown()
+    for p, text in zip(procs, outputs):
+        assert p.returncode != 0 and "another worker started as replica 0 too ($REPLICA_GROUP_ID=0)" in text, text[-2000:]
+
+
 def test_the_example_trains_two_workers(lighthouse, data_dir):
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2", "TORCHFT_MIN_REPLICAS": "2",
            "OMP_NUM_THREADS": "1"}

@@ -207,6 +207,11 @@ class TorchFTCommunicator(Communicator):
                 same = self._same_start(strategy)
                 self._in_round = False
                 if self.manager.should_commit():
+                    if same == "replica":
+                        raise ConfigError(f"another worker started as replica {self.local_ranks[0]} too "
+                                          f"(${ENV_REPLICA}={self.local_ranks[0]}): each worker needs its own index in "
+                                          f"0 .. {self.world_size - 1}, or two would train on the same data shard; "
+                                          "start each with another $" + ENV_REPLICA)
                     if same == "settings":
                         raise ConfigError("the workers start with different settings (of those that shape the "
                                           "trajectory: learning rate, strategy, model, ...); compare their config.json")
@@ -251,13 +256,18 @@ class TorchFTCommunicator(Communicator):
     @torch.no_grad()
     def _same_start(self, strategy) -> bool | str:
         """Whether every worker starts from the same weights (and settings: a digest of them, 48 bits, exact
-        in float64, and step); "settings" if the settings differ, "steps" if they start at other steps."""
+        in float64, and step); "settings" if the settings differ, "steps" if they start at other steps,
+        "replica" if another worker starts with this one's replica index (the same REPLICA_GROUP_ID)."""
         mine = torch.stack([p.detach().double().sum() for p in strategy.workers[0].params]
                            + [torch.tensor(float(strategy.steps_done), dtype=torch.float64)])
         text = json.dumps(self.settings, sort_keys=True, default=str)
         digest = torch.tensor([float(int(hashlib.sha256(text.encode()).hexdigest()[:12], 16))], dtype=torch.float64)
+        replicas = torch.zeros(self.world_size, dtype=torch.float64)  # how many workers start as each replica
+        replicas[self.local_ranks[0]] = 1.0
         mean, digests = mine.clone(), digest.clone()
-        self._all_reduce_mean([[mean, digests]])
+        self._all_reduce_mean([[mean, digests, replicas]])
+        if float(replicas[self.local_ranks[0]]) * self.contributors > 1.5:
+            return "replica"
         if not torch.equal(digests, digest):
             return "settings"
         if float(mean[-1]) != float(mine[-1]):
