@@ -297,6 +297,42 @@ def test_the_example_trains_two_workers(lighthouse, data_dir):
     assert "5 rounds, 0 run again, workers per round [2, 2, 2, 2, 2]" in outs[0]  # start, initial basis, 3 syncs
 
 
+def test_torchft_s_diloco_loop_with_lordo_inside_recovers_a_killed_worker(lighthouse, data_dir, tmp_path):
+    """examples/torchft_diloco.py: torchft's own DiLoCo loop (a Manager, an inner AdamW, an outer SGD, `with
+    DiLoCo(...)`), the import switched to lordo.torchft.LoRDO. Three workers; one is killed mid-run and started
+    again with the same command: it recovers from the others and all three end with the same model."""
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "3", "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).resolve().parents[1] / "examples" / "torchft_diloco.py"
+
+    def start(replica: int) -> subprocess.Popen:
+        log = open(tmp_path / f"log-{replica}.txt", "a")
+        return subprocess.Popen([sys.executable, str(script), "--steps", "240", "--sync-every", "8", "--rank", "4",
+                                 "--data-dir", str(data_dir)], env={**env, "REPLICA_GROUP_ID": str(replica)},
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    procs = [start(r) for r in range(3)]
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and "step   32" not in (tmp_path / "log-2.txt").read_text():
+            time.sleep(0.05)
+        procs[2].kill()
+        assert procs[2].wait(timeout=30) == -9
+        procs[2] = start(2)
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp_path / f"log-{r}.txt").read_text() for r in range(3)]
+    assert codes == [0, 0, 0], "\n".join(text[-2000:] for text in logs)
+    losses = {float(re.search(r"val loss ([0-9.]+)", text).group(1)) for text in logs}
+    assert len(losses) == 1 and math.isfinite(losses.pop())  # one model on every worker, the restarted one's too
+    seen = [int(x) for x in re.search(r"workers per round \[([0-9, ]+)\]", logs[0]).group(1).split(", ")]
+    # the start round: the Manager's init_sync (torchft's default) gives the others worker 0's start state, so worker
+    # 0 alone contributes to it; then three workers, two while one is down, three again
+    assert seen[0] == 1 and seen[1:4] == [3, 3, 3] and 2 in seen and seen[-1] == 3
+
+
 NANO = ["--model", "nano", "--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.eval_every=1000",
         "--set", "schedule.warmup_steps=2", "--set", "strategy.sync_every=8", "--set", "strategy.rank=4",
         "--set", "train.log_every=8"]

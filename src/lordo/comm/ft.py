@@ -95,8 +95,6 @@ class TorchFTCommunicator(Communicator):
         import torch.distributed as dist
 
         super().__init__(workers, [replica])
-        self.backend = "gloo"  # torchft's process group (recorded in the run's config)
-        self.attempts = attempts
         self.lighthouse = lighthouse
         timeout = _dt.timedelta(seconds=timeout_s)
         self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's
@@ -105,6 +103,33 @@ class TorchFTCommunicator(Communicator):
             min_replica_size=min_workers, use_async_quorum=False, replica_id=f"lordo_{replica}",
             store_addr="localhost", store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
             timeout=timeout, quorum_timeout=_dt.timedelta(seconds=quorum_timeout_s), init_sync=False)
+        self._setup(attempts, owns_manager=True)
+
+    @classmethod
+    def over(cls, manager: Any, workers: int, replica: int, attempts: int = 5) -> TorchFTCommunicator:
+        """Over a ``torchft.Manager`` the caller built (as for torchft's own DiLoCo: ``use_async_quorum=False``):
+        lordo's state for a recovering peer is registered with it under the key ``lordo``; it is not shut down
+        by :meth:`close`."""
+        for name, value, low in (("workers", workers, 1), ("attempts", attempts, 1)):
+            if not (isinstance(value, int) and value >= low):
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not (isinstance(replica, int) and 0 <= replica < workers):
+            raise ConfigError(f"replica must be an integer in 0 .. {workers - 1} (workers - 1), got {replica!r}")
+        if getattr(manager, "_use_async_quorum", False):
+            raise ConfigError("LoRDO's rounds need the Manager's synchronous quorum: build it with use_async_quorum=False "
+                              "(as torchft's DiLoCo requires too)")
+        self = cls.__new__(cls)
+        Communicator.__init__(self, workers, [replica])
+        self.lighthouse = getattr(manager, "_lighthouse_addr", None) or os.environ.get(ENV_LIGHTHOUSE, "")
+        self.manager = manager
+        manager.register_state_dict_fn("lordo", self._receive, self._offer)
+        self._setup(attempts, owns_manager=False)
+        return self
+
+    def _setup(self, attempts: int, owns_manager: bool) -> None:
+        self.backend = "gloo"  # torchft's process group (recorded in the run's config)
+        self.attempts = attempts
+        self._owns_manager = owns_manager
         self.contributing = True  # False while a recovering worker takes part in its first round
         self.contributors = 0  # how many workers the last collective averaged over
         self.rounds: list[dict[str, Any]] = []  # per committed round: step, kind, workers; failed attempts
@@ -230,8 +255,10 @@ class TorchFTCommunicator(Communicator):
             strategy.restore(received["state"])
             strategy.forget_own_errors()
             self.contributing = False
-            try:
-                strategy.mirror_round(received["kind"], received["resume_at"])
+            try:  # a Manager with init_sync (torchft's default) hands the starting workers a peer's start state:
+                # they take part in the start round's check without contributing
+                self._same_start(strategy) if received["kind"] == "start" else \
+                    strategy.mirror_round(received["kind"], received["resume_at"])
             except Exception:
                 if self.manager.errored() is None:
                     raise
@@ -319,5 +346,6 @@ class TorchFTCommunicator(Communicator):
         """Nothing to wait for: the workers meet at each round's quorum."""
 
     def close(self, clean: bool = True) -> None:
-        self.manager.shutdown(wait=False)
+        if self._owns_manager:  # a Manager the caller built is the caller's to shut down
+            self.manager.shutdown(wait=False)
 
