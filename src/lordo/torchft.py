@@ -117,7 +117,7 @@ class LoRDO:
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> None:
         for name, value in self._own.items():  # the user's optimizer is theirs again
             if value is None:
                 vars(self.inner).pop(name, None)
@@ -125,7 +125,6 @@ class LoRDO:
                 vars(self.inner)[name] = value
         if exc_type is None:
             self.optimizer.finish()
-        return False
 
     @property
     def steps_done(self) -> int:
