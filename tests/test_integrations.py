@@ -78,3 +78,53 @@ def test_lightning_automatic_optimization_counts_steps_and_trains(tmp_path):
     trainer.fit(module, data)
     assert trainer.global_step == 10 and module.opt.steps_done == 10
     assert module.losses[-1] < module.losses[0] - 0.3
+
+
+def test_lordo_s_trainer_runs_one_worker_per_process_and_resumes_each_exactly(tmp_path):
+    """lordo.hf.LoRDOTrainer under torchrun, 2 gloo processes: no DDP wrapping (bytes well under DDP's), both
+    workers end with one model, the Trainer's default max_grad_norm is not applied (one warning), and a resume from
+    the Trainer's checkpoint gives each worker its own optimizer state back: the final model is bit for bit the
+    uninterrupted run's on both."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("hf_trainer_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def torchrun(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
+               str(out), "8", *extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done
+
+    full = tmp_path / "full"
+    done = torchrun(full)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
+    assert sorted(r["rank"] for r in rows) == [0, 1] and all(r["steps"] == 8 and r["world"] == 2 for r in rows)
+    assert all(r["ratio_to_ddp"] < 0.5 for r in rows)  # two syncs in 8 steps, not an all-reduce a step
+    assert done.stderr.count("max_grad_norm = 1.0 is not applied") == 2  # once per process
+    ends = [torch.load(full / f"final-{r}.pt") for r in (0, 1)]
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    assert sorted(p.name for p in (full / "checkpoint-4").glob("optimizer-rank*.pt")) == ["optimizer-rank0.pt",
+                                                                                         "optimizer-rank1.pt"]
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoint-4", resumed / "checkpoint-4")
+    torchrun(resumed, str(resumed / "checkpoint-4"))
+    for r in (0, 1):
+        again = torch.load(resumed / f"final-{r}.pt")
+        assert all(torch.equal(ends[r][k], again[k]) for k in again), r
+
+
+def test_lordo_s_trainer_refuses_checkpoints_between_synchronisations(tmp_path):
+    import lordo.hf
+    from lordo.errors import ConfigError
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=8, save_strategy="steps", save_steps=3,
+                                          report_to=[], use_cpu=True)
+    with pytest.raises(ConfigError, match=r"save_steps \(3\) must be a multiple of sync_every \(4\)"):
+        lordo.hf.LoRDOTrainer(model=tiny_llama(), args=args, train_dataset=Tokens(), lordo_options={"sync_every": 4})

@@ -1,0 +1,112 @@
+"""Hugging Face's ``Trainer`` with LoRDO, one worker per process (``pip install 'lordo[hf]'``)::
+
+    trainer = lordo.hf.LoRDOTrainer(model=model, args=args, train_dataset=data, lordo_options={"rank": 16})
+    trainer.train()                               # python script.py, or torchrun --nproc-per-node 4 script.py
+
+Under ``torchrun`` the plain ``Trainer`` hands the model to Accelerate, which wraps it in
+``DistributedDataParallel``: every gradient all-reduced at every step, the traffic LoRDO exists to avoid. This
+subclass keeps the model unwrapped, so each process is one LoRDO worker training on its own shard of the data
+(the Trainer's distributed sampler), and LoRDO synchronises every ``sync_every`` steps. It also:
+
+- builds the optimizer (``lordo.distributed(model, "lordo", ...)``) from the TrainingArguments' learning rate,
+  betas, epsilon and weight decay, unless ``optimizers=(opt, scheduler)`` gives one;
+- turns the Trainer's own gradient clipping off: LoRDO clips inside its step (``grad_clip``, 0.5 by default), and
+  clipping twice changes the step; ``max_grad_norm`` left at its default is not applied, with one warning;
+- saves and loads each worker's optimizer state in the Trainer's checkpoints (``optimizer-rank{R}.pt``): the
+  workers' error feedback and moments differ, and a resume gives each its own back. Checkpoints are taken at
+  synchronisations (``save_steps`` a multiple of ``sync_every``), where every worker holds the same model;
+- synchronises once more when training ends: every worker holds the same model, the one the Trainer saves.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - the hf extra is missing
+    raise ImportError("lordo.hf needs transformers and accelerate: pip install 'lordo[hf]'") from exc
+
+
+class _Unwrapped(nn.Module):
+    """The model as the Trainer's training loop calls it: not wrapped in DDP (gradients stay each worker's own)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class LoRDOTrainer(transformers.Trainer):
+    """``transformers.Trainer`` training with LoRDO, one worker per process (see the module doc). ``lordo_options``:
+    :func:`lordo.distributed`'s options (``strategy`` among them, default ``"lordo"``), used when the optimizer is
+    built here."""
+
+    def __init__(self, *args: Any, lordo_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.lordo_options = dict(lordo_options or {})
+        super().__init__(*args, **kwargs)
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            warnings.warn(f"TrainingArguments.max_grad_norm = {self.args.max_grad_norm} is not applied: LoRDO clips the "
+                          "gradients inside its step (grad_clip, 0.5 by default: lordo_options={'grad_clip': ...}); "
+                          "clipping them twice would change the step", UserWarning, stacklevel=2)
+            self.args.max_grad_norm = 0.0
+        sync_every = self.lordo_options.get("sync_every", 32)
+        if self.args.save_strategy == "steps" and self.args.save_steps and int(self.args.save_steps) % sync_every:
+            raise ConfigError(f"TrainingArguments.save_steps ({self.args.save_steps}) must be a multiple of sync_every "
+                              f"({sync_every}): a checkpoint between synchronisations would save worker 0's own model "
+                              "for every worker")
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            import lordo
+
+            options = dict(self.lordo_options)
+            strategy = options.pop("strategy", "lordo")
+            a = self.args
+            defaults = {"beta1": a.adam_beta1, "beta2": a.adam_beta2, "eps": a.adam_epsilon, "weight_decay": a.weight_decay}
+            self.optimizer = lordo.distributed(self.model, strategy, lr=a.learning_rate, **{**defaults, **options})
+        return self.optimizer
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        return _Unwrapped(self.model) if training else self.model
+
+    def _lordo(self):
+        from .distributed_optimizer import DistributedOptimizer
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it
+        if not isinstance(opt, DistributedOptimizer):
+            raise ConfigError(f"LoRDOTrainer trains with lordo's optimizer; optimizers= gave {type(opt).__name__}")
+        return opt
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = self._lordo()
+        os.makedirs(output_dir, exist_ok=True)  # every worker writes its own file, the main process's folder or not yet
+        torch.save(opt.state_dict(), os.path.join(output_dir, f"optimizer-rank{self.args.process_index}.pt"))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, f"optimizer-rank{self.args.process_index}.pt")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{checkpoint} holds no optimizer state of worker {self.args.process_index} ({path}): it was "
+                              "saved by another number of processes, or not by LoRDOTrainer")
+        self._lordo().load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        schedule = os.path.join(checkpoint, "scheduler.pt")
+        if os.path.isfile(schedule) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().train(*args, **kwargs)
+        self._lordo().finish()  # every worker now holds the same model
+        return result
