@@ -73,11 +73,16 @@ class LoRDOTrainer(transformers.Trainer):
             strategy = options.pop("strategy", "lordo")
             a = self.args
             defaults = {"beta1": a.adam_beta1, "beta2": a.adam_beta2, "eps": a.adam_epsilon, "weight_decay": a.weight_decay}
-            self.optimizer = lordo.distributed(self.model, strategy, lr=a.learning_rate, **{**defaults, **options})
+            self.optimizer = lordo.distributed(self._model(), strategy, lr=a.learning_rate, **{**defaults, **options})
         return self.optimizer
 
+    def _model(self) -> nn.Module:
+        if self.model is None:
+            raise ConfigError("LoRDOTrainer needs model= (a model_init is not supported)")
+        return self.model
+
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        return _Unwrapped(self.model) if training else self.model
+        return _Unwrapped(self._model()) if training else self._model()
 
     def _lordo(self):
         from .distributed_optimizer import DistributedOptimizer
