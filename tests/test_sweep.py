@@ -203,3 +203,22 @@ def test_a_signal_stops_the_sweep_its_running_point_saves_and_no_other_starts(tm
     assert statuses == ["stopped", "pending", "pending"]
     assert any((out / "seed-0" / "checkpoints").iterdir())
     assert not (out / "seed-1").exists() and not (out / "seed-2").exists()
+
+
+def test_plot_styles_give_each_strategy_a_colour_and_each_of_its_points_a_look_of_its_own():
+    """15 series (the long-stagnation sweep's size) with matplotlib's 10-colour cycle repeat colours across
+    strategies; the report's styles colour by strategy and tell a strategy's points apart by line and marker."""
+    pytest.importorskip("matplotlib")
+    from lordo.experiments.plots import styles
+
+    strategies = ["ddp"] * 3 + ["local-adam"] * 3 + ["lordo-global-noqh"] * 2 + ["lordo-local"] * 2 + ["lordo"] * 3 \
+        + ["lowrank-ddp"] * 2
+    labels = [f"{s} {i}" for i, s in enumerate(strategies)]
+    got = styles(labels, strategies)
+    looks = {(tuple(v["color"]), v["ls"], v["marker"]) for v in got.values()}
+    assert len(looks) == len(labels)  # no two series alike
+    by_strategy: dict = {}
+    for label, s in zip(labels, strategies):
+        by_strategy.setdefault(s, set()).add(tuple(got[label]["color"]))
+    assert all(len(c) == 1 for c in by_strategy.values())  # one colour per strategy
+    assert len({next(iter(c)) for c in by_strategy.values()}) == len(by_strategy)  # a different one each

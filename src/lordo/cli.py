@@ -160,7 +160,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .experiments.report import plot_runs
+    from .experiments.plots import plot_runs
 
     print(f"wrote {plot_runs(args.runs, args.out)}")
     return 0
