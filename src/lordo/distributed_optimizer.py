@@ -114,6 +114,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = _WorkerStates([w.optimizer for w in self.strategy.workers])  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction (a :class:`ConfigError`): every worker's inner optimizer, anchor, bases and
+        payload layout are built over the parameters the model had then, and the workers must agree on them. To
+        train more parameters, build the optimizer over a model that has them (to train fewer, freeze them first)."""
         if not getattr(self, "_building", False):
             raise ConfigError("a DistributedOptimizer holds the whole model from its construction; parameters cannot "
                               "be added later (build it over a model that has them)")
