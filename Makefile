@@ -14,7 +14,7 @@ demo: $(STAMP) data
 	$(BIN)/lordo sample runs/demo --prompt "KING HENRY:" --tokens 60 --temperature 0.8 --top-k 40
 
 test: lint data
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest --durations=25
 
 # style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo
 lint: $(STAMP)

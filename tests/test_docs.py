@@ -88,6 +88,9 @@ def _shortened_train(argv: list[str], data_dir: Path) -> list[str]:
     if "--steps" in argv:
         i = argv.index("--steps")
         del argv[i : i + 2]
+    while any(a.startswith("train.steps=") for a in argv):  # --set wins over --steps: the page's own goes too
+        i = next(i for i, a in enumerate(argv) if a.startswith("train.steps="))
+        del argv[i - 1 : i + 1]
     argv += ["--steps", "2"]
     if "--resume" not in argv:
         if "--data-dir" not in argv:

@@ -28,10 +28,16 @@ from .timing import machine
 
 LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
 LEAN4 = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int4"', 'strategy.moments_dtype="int8"')
+MUON = ('optim.inner="muon"', 'optim.muon_ns_dtype="float32"')
 STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("local-adam (DiLoCo: anchor, outer momentum)", ('strategy.name="diloco"',)),
-    ("local-adam + Muon (MuLoCo)", ('strategy.name="diloco"', 'optim.inner="muon"', 'optim.muon_ns_dtype="float32"')),
+    ("local-adam", ('strategy.name="local-adam"',)),
+    ("local-adam, lean (int8 anchor)", ('strategy.name="local-adam"', 'strategy.memory="lean"')),
+    ("local-adam + Muon", ('strategy.name="local-adam"', *MUON)),
+    ("local-adam + Muon, lean (int8 anchor)", ('strategy.name="local-adam"', *MUON, 'strategy.memory="lean"')),
+    ("diloco (anchor, outer momentum)", ('strategy.name="diloco"',)),
+    ("diloco + Muon (MuLoCo)", ('strategy.name="diloco"', *MUON)),
     ("lowrank-ddp", ('strategy.name="lowrank-ddp"',)),
+    ("lowrank-ddp, lean (int8 E, full-rank moments)", ('strategy.name="lowrank-ddp"', 'strategy.memory="lean"')),
     ("lordo", ('strategy.name="lordo"',)),
     ("lordo, bf16 error feedback, anchor in host memory (before)",
      ('strategy.name="lordo"', 'strategy.error_feedback_dtype="bfloat16"', "strategy.offload_anchor=true")),
@@ -109,6 +115,10 @@ def _peer_optimizers(model: nn.Module, rank: int) -> list[tuple[str, Callable[[]
         ("adamw (torch)", lambda: torch.optim.AdamW(model.parameters(), lr=1e-3)),
         ("LowRankQHAdam with GaLore's groups (defaults)",
          lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3)),
+        ("LowRankQHAdam with GaLore's groups, int8 error feedback and moments",
+         lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3, error_feedback_dtype="int8", moments_dtype="int8")),
+        ("LowRankQHAdam with GaLore's groups, no error feedback",
+         lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3, error_feedback=False)),
     ]
     try:
         import bitsandbytes as bnb

@@ -45,6 +45,13 @@ def _task_score(members: list[dict[str, Any]], task: str) -> str:
     return mean_std([v for v in values if v is not None], 4) if values else "–"
 
 
+def _ddp_ppl(groups: dict[str, list[dict[str, Any]]]) -> float | None:
+    """The mean perplexity of the best point whose runs are ``ddp`` (AdamW, Muon or any inner optimizer)."""
+    means = [statistics.mean(m["summary"]["val_ppl"] for m in members) for members in groups.values()
+             if all(m["summary"].get("strategy") == "ddp" for m in members)]
+    return min(means) if means else None
+
+
 def write_report(root: str | Path) -> Path:
     root = Path(root)
     runs = read_runs(root)
@@ -55,14 +62,17 @@ def write_report(root: str | Path) -> Path:
         groups.setdefault(group_key(run), []).append(run)
 
     tasks = sorted({t for run in runs for t in run["eval"]})  # downstream scores, where lordo eval wrote them
+    reference = _ddp_ppl(groups)  # the best ddp point's perplexity, where the folder has one
     lines = [
         f"# Report: {root.name}",
         "",
-        f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`.",
+        f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`."
+        + (f" ppl × ddp: against the best `ddp` point's mean ({reference:.2f})." if reference else ""),
         "",
-        "| point | seeds | val ppl | val loss | bytes sent / step (payload) | × ddp | modelled comm s @ 1 / 10 Gbit/s "
-        "| optimizer state (bytes) | × AdamW | basis overlap |" + "".join(f" {t} |" for t in tasks),
-        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(tasks),
+        "| point | seeds | val ppl |" + (" ppl × ddp |" if reference else "") + " val loss | bytes sent / step (payload) "
+        "| × ddp | modelled comm s @ 1 / 10 Gbit/s | optimizer state (bytes) | × AdamW | basis overlap |"
+        + "".join(f" {t} |" for t in tasks),
+        "|---|---|---|" + ("---|" if reference else "") + "---|---|---|---|---|---|---|" + "---|" * len(tasks),
     ]
     for key, members in groups.items():
         s = [m["summary"] for m in members]
@@ -71,8 +81,9 @@ def write_report(root: str | Path) -> Path:
         ratio = f"{statistics.mean(ratios):.4f}" if ratios else "–"
         state = sum(s[0]["optimizer_state_bytes"].values())
         sent = statistics.mean(w / x["steps"] for (w, _), x in zip(totals, s))
+        relative = f" {statistics.mean(x['val_ppl'] for x in s) / reference:.3f} |" if reference else ""
         lines.append(
-            f"| {key} | {len(members)} | {mean_std([x['val_ppl'] for x in s])} | {mean_std([x['val_loss'] for x in s])} "
+            f"| {key} | {len(members)} | {mean_std([x['val_ppl'] for x in s])} |{relative} {mean_std([x['val_loss'] for x in s])} "
             f"| {sent:,.0f} ({statistics.mean(x['comm_bytes_per_step'] for x in s):,.0f}) | {ratio} | {_wall(s)} "
             f"| {state:,} | {_adamw_ratio(s[0], state)} | {mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
             + "".join(f" {_task_score(members, t)} |" for t in tasks)
