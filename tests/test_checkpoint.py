@@ -91,6 +91,21 @@ def test_resume_between_syncs_equals_uninterrupted_bitwise(data_dir, tmp_path, s
         assert summary[key] == full_summary[key]
 
 
+def test_a_stop_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(data_dir, tmp_path):
+    """W5: a run saved (and stopped) at step 10, inside the logging window 9..12, logs the same train_loss as a run
+    that never saved there: the open window travels as it is, not folded into another float."""
+    plain = cfg_for(data_dir, "lordo", extra=("train.checkpoint_every=0", "train.log_every=4"))
+    quiet_train(plain, tmp_path / "plain")
+    saving = cfg_for(data_dir, "lordo", extra=("train.checkpoint_every=10", "train.log_every=4"))
+    quiet_train(saving, tmp_path / "full")
+    rewind(tmp_path / "full", tmp_path / "resumed", keep_step=10)
+    quiet_train(saving, tmp_path / "resumed")
+    rows = untimed_metrics(tmp_path / "plain")
+    assert [r for r in rows if r["step"] == 12 and "train_loss" in r]  # the window across the stop is logged
+    assert untimed_metrics(tmp_path / "full") == rows
+    assert untimed_metrics(tmp_path / "resumed") == rows
+
+
 def test_resume_on_gloo_equals_uninterrupted(data_dir, tmp_path):
     args = ["train", "--model", "nano", "--steps", "14", "--strategy", "lordo", "--workers", "2", "--backend", "gloo",
             "--data-dir", str(data_dir)] + sum((["--set", s] for s in BASE if not s.startswith(("model.", "dist."))), [])

@@ -415,14 +415,15 @@ class Trainer:
             raise NonFiniteError(f"the model is not finite at step {step}; no checkpoint was saved over the last good "
                                  f"one: {self._last_good()}")
         state = self.optimizer.state_dict()
-        self.state.loss_sum += float(self.window)  # the open loss window travels as plain numbers
-        self.window.zero_()
+        window = float(self.window)  # the open loss window travels as it is, in each process's own file: folded
+        # into loss_sum, a stop inside a window would add a rounding the uninterrupted run does not have
         shared = {"strategy": state["shared"], "ledger": state["ledger"], "rng": torch.get_rng_state(),
                   **self.state.to_checkpoint()}
         if self.scaler is not None:
             shared["grad_scaler"] = self.scaler.state_dict()
         workers = [{"model": local_state(m), "sampler": smp.state_dict(), "strategy": ws}
                    for m, smp, ws in zip(self.models, self.samplers, state["workers"])]
+        workers[0]["loss_window"] = window
         if self.sharded:  # a rank's anchor, outer momentum and ledger are its shards' own: in its own file
             workers[0].update(strategy_shared=state["shared"], ledger=state["ledger"])
         return self.checkpoints.save(step, self.config_dict, shared, workers, data=self.data_fingerprint())
@@ -444,6 +445,7 @@ class Trainer:
         if self.scaler is not None and "grad_scaler" in shared:
             self.scaler.load_state_dict(shared["grad_scaler"])
         self.state = RunState.from_checkpoint(meta, shared)
+        self.window.fill_(float(workers[0].get("loss_window", 0.0)))
         self.log(f"resuming from {folder} at step {self.state.step}")
 
     def _check_compatible(self, meta: dict) -> None:
