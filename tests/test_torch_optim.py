@@ -326,7 +326,7 @@ def test_a_basis_that_no_one_refreshes_is_reported_once(monkeypatch):
     caller changes the bases: after FIXED_BASIS_WARNING_STEPS steps without a change it says so, once."""
     import warnings
 
-    from lordo.optim import optimizer as module
+    from lordo.optim import bases as module
 
     monkeypatch.setattr(module, "FIXED_BASIS_WARNING_STEPS", 5)
 
