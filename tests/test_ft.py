@@ -244,7 +244,7 @@ def test_a_lighthouse_that_dies_mid_run_stops_the_worker_with_one_line_naming_it
                 model(torch.randn(4, 8)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
-        lordo.distributed_optimizer._LIVE.discard(opt)  # it cannot finish (no Lighthouse): no end-of-run warning for it
+        lordo.replicas.LIVE.discard(opt)  # it cannot finish (no Lighthouse): no end-of-run warning for it
     finally:
         server.kill()
         if comm is not None:

@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from .comm import Communicator, make_communicator
-from .comm.torch_dist import worker_mesh
+from .comm.mesh import worker_mesh
 from .config import OptimConfig, StrategyConfig, build_config
 from .distributed_optimizer import DistributedOptimizer, StrategyFactory, default_groups, reshard
 from .errors import ConfigError

@@ -4,10 +4,7 @@ name and options (``lordo.api``); ``lordo train`` builds it from a :class:`~lord
 
 from __future__ import annotations
 
-import atexit
-import sys
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,8 +14,9 @@ from .comm import Communicator, Ledger
 from .comm.ledger import wire_bytes
 from .config import Config
 from .errors import ConfigError
-from .model.params import ParamGroup, group_by_module, group_parameters
+from .model.params import ParamGroup
 from .optim.sharded import local
+from .replicas import LIVE, WorkerStates, default_groups, fingerprint, reshard
 from .strategies import Strategy, build_strategy
 from .strategies.base import check_sharded_models
 
@@ -89,9 +87,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # replicas start equal: worker 0's parameters everywhere (counted in the ledger as the initial broadcast;
         # a sharded model's ranks each send their shards). Which replicas it changed is remembered: a state
         # loaded into them before (each worker's own weights of a mid-round resume) was overwritten
-        before = [_fingerprint(m) for m in self.models]
+        before = [fingerprint(m) for m in self.models]
         comm.broadcast([[local(p).data for p in m.parameters()] for m in self.models], tag="init")
-        after = [_fingerprint(m) for m in self.models]
+        after = [fingerprint(m) for m in self.models]
         self._replaced = {i: a for i, (b, a) in enumerate(zip(before, after)) if not torch.equal(b, a)}
         if groups is None:
             groups = [default_groups(m) for m in self.models]
@@ -109,9 +107,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         super().__init__(mirrored, defaults=dict(inner[0].defaults))  # schedulers read betas, momentum there
         self._building = False
         if check_finish:  # checked at exit: a forgotten finish() leaves every worker with its own model
-            _LIVE.add(self)
+            LIVE.add(self)
         # opt.state[p], as tools written for torch.optim read it: the inner optimizer's state of p (live)
-        self.state = _WorkerStates([w.optimizer for w in self.strategy.workers])  # type: ignore[assignment]
+        self.state = WorkerStates([w.optimizer for w in self.strategy.workers])  # type: ignore[assignment]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction (a :class:`ConfigError`): every worker's inner optimizer, anchor, bases and
@@ -272,7 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (the model's state loaded *before* this optimizer was built) and they were not loaded again since."""
         if self.strategy.in_sync or not self._replaced:
             return
-        stale = [i for i, after in self._replaced.items() if torch.equal(after, _fingerprint(self.models[i]))]
+        stale = [i for i, after in self._replaced.items() if torch.equal(after, fingerprint(self.models[i]))]
         if stale:
             raise ConfigError(
                 f"this state was saved between synchronisations (step {self.strategy.steps_done}), where each worker "
@@ -381,77 +379,6 @@ def _own_strategy(factory: StrategyFactory | None, models: list[nn.Module], comm
         raise ConfigError(f"the strategy factory must return a lordo.strategies Strategy, got {type(built).__name__}")
     built.name = built.name or type(built).__name__
     return built
-
-
-class _WorkerStates(Mapping):
-    """``DistributedOptimizer.state``: each hosted parameter's state in its worker's inner optimizer (moments,
-    bases, error feedback), read-only and live; the optimizer's own state dict is :meth:`state_dict`'s."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._optimizers = list(optimizers)
-        # the parameters are fixed at construction (add_param_group is refused): one lookup table, by identity
-        self._owners = {id(q): (q, opt) for opt in self._optimizers for g in opt.param_groups for q in g["params"]}
-
-    def _owner(self, p: torch.Tensor) -> torch.optim.Optimizer | None:
-        found = self._owners.get(id(p))
-        return found[1] if found is not None and found[0] is p else None
-
-    def __getitem__(self, p: torch.Tensor) -> dict:
-        owner = self._owner(p)
-        if owner is None:
-            raise KeyError("parameter is not one this optimizer trains")
-        return owner.state[p]
-
-    def __iter__(self):
-        return (p for opt in self._optimizers for p in list(opt.state))
-
-    def __len__(self) -> int:
-        return sum(len(opt.state) for opt in self._optimizers)
-
-
-_LIVE: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
-
-
-@atexit.register
-def _warn_unfinished() -> None:
-    """At interpreter exit: say so if an optimizer stopped between synchronisations without finish()."""
-    for opt in list(_LIVE):
-        try:
-            if opt.in_sync:
-                continue
-            behind = opt.steps_done - getattr(opt.strategy, "synced_at", 0)
-        except Exception:  # noqa: BLE001 - never fail at exit
-            continue
-        print(f"lordo: warning: a DistributedOptimizer ({opt.strategy.name}) ended {behind} step(s) after its last "
-              "synchronisation without opt.finish(): each worker holds its own model, not the common one. Call "
-              "opt.finish() at the end of training, or train inside `with lordo.distributed(...) as opt:`",
-              file=sys.stderr)
-
-
-@torch.no_grad()
-def _fingerprint(model: nn.Module) -> torch.Tensor:
-    """Per parameter (this rank's shard of it), its float64 sum and sum of squares: tells whether a model's
-    weights changed, without a copy of them."""
-    values = [local(p).detach().double() for p in model.parameters()]
-    if not values:
-        return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([torch.stack([v.sum(), v.pow(2).sum()]).cpu() for v in values])
-
-
-def default_groups(model: nn.Module) -> list[ParamGroup]:
-    """lordo's own GPT keeps its name-based groups; any other model is grouped by module type."""
-    from .model import GPT
-
-    return group_parameters(model) if isinstance(model, GPT) else group_by_module(model)
-
-
-def reshard(model: nn.Module) -> None:
-    """Put a model sharded by FSDP2 back into its shards: FSDP2 keeps the root module's parameters gathered
-    after a forward without backward (an evaluation). Nothing for other models."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # no module is FSDP2's before it is imported
-    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-        model.reshard()
-
 
 
 __all__ = ["DistributedOptimizer", "StrategyFactory", "default_groups", "reshard"]

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .coerce import check_field
 from .run_config import PRESETS, SECTIONS, Config
-from .sections import ModelConfig, check_field
+from .sections import ModelConfig
 
 try:  # Python >= 3.11
     import tomllib

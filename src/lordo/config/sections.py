@@ -3,13 +3,13 @@ value against its allowed ones); :class:`~lordo.config.Config` holds them and ch
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from ..errors import ConfigError
+from .coerce import coerce, field_types
 
 # ----------------------------------------------------------------------------------------------------------
 # field checks: each returns None when the value is fine, else the text "must be ..."
@@ -58,9 +58,9 @@ class _Section:
     _name: ClassVar[str]
 
     def __post_init__(self) -> None:
-        types = _field_types(type(self))
+        types = field_types(type(self))
         for f in fields(self):  # type: ignore[arg-type]
-            value = _coerce(self._name, f.name, types[f.name], getattr(self, f.name))
+            value = coerce(self._name, f.name, types[f.name], getattr(self, f.name))
             object.__setattr__(self, f.name, value)
             check = f.metadata.get("check")
             problem = check(value) if check is not None else None
@@ -352,59 +352,3 @@ class CommConfig(_Section):
     bandwidths_gbit: list = _f([1.0, 10.0], "link bandwidths (Gbit/s) between workers at which the wall-clock is modelled")
     intra_bandwidth_gbit: float = _f(100.0, "bandwidth (Gbit/s) of the link inside a worker (dist.ranks_per_worker > 1)",
                                      _positive)
-
-
-
-
-# ----------------------------------------------------------------------------------------------------------
-# coercion: a TOML or --set value into the field's type
-
-
-def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(section: str, name: str, tp: Any, value: Any) -> Any:
-    key = f"{section}.{name}"
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise ConfigError(f"{key} must be a finite number, got {value!r}")
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is list:  # lists of positive numbers (bandwidths)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]
-        if isinstance(value, list) and value and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value
-        ):
-            return [float(v) for v in value]
-        raise ConfigError(f"{key} must be a non-empty list of positive numbers, got {value!r}")
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
-
-
-def check_field(cls: type, name: str, value: Any) -> None:
-    """Coerce and check one field of section ``cls`` alone (the rules between fields are the section's)."""
-    f = next(f for f in fields(cls) if f.name == name)
-    value = _coerce(cls._name, name, _field_types(cls)[name], value)  # type: ignore[attr-defined]
-    check = f.metadata.get("check")
-    problem = check(value) if check is not None else None
-    if problem:
-        raise ConfigError(f"{cls._name}.{name} {problem}, got {value!r}")  # type: ignore[attr-defined]
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in fields(cls)}
