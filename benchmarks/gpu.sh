@@ -22,3 +22,6 @@ lordo bench basis --device cuda --preset paper-16m --rank 32 --steps 32 --rounds
 # end to end: tokens/s of lordo vs ddp, 4 simulated workers on the GPU, equal work
 lordo bench runs --preset paper-16m --steps 64 --rank 32 --strategies ddp,lordo --repeats 2 \
   --set 'train.device="cuda"' --json "$out/runs-paper-16m-cuda.json"
+# optimizer state measured from the tensors on the GPU, beside the allocator's growth over the run (the device
+# share of every row: the bytes lordo counts against what torch.cuda.memory_allocated says it holds)
+lordo bench memory --device cuda --shapes micro,paper-16m,d768x12 --json "$out/memory-cuda.json"
