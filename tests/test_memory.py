@@ -96,9 +96,16 @@ def test_views_of_a_stacked_state_are_counted_once():
     assert len(stacked) < len(matrices)  # the per-matrix state is views of stacks
     storages = {storage_key(t): t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor)}
-    extra = sum(stack.inside.untyped_storage().nbytes() for stack in opt._planner._stacks.values()
-                if storage_key(stack.inside) not in storages)
+    extra = sum(stack._inside.untyped_storage().nbytes() for stack in opt._planner._stacks.values()
+                if stack._inside is not None and storage_key(stack._inside) not in storages)
     assert sum(measured.values()) == sum(storages.values()) + extra
+    plain = LowRankQHAdam([{"params": matrices, "rank": 2}], lr=1e-2, batched=True, omega=1.0)  # GaLore's update
+    for step in range(2):
+        model(*batch(0, step))[1].backward()
+        plain.step()
+        plain.zero_grad()
+    assert all(stack._inside is None for stack in plain._planner._stacks.values())  # no proj(S) to keep: none held
+    assert "optimizer_other" not in measure({}, plain, [model], torch.device("cpu"))
 
 
 def test_a_single_worker_keeps_no_anchor_it_cannot_use():

@@ -51,7 +51,10 @@ class MatrixStack:
         self._grad: tuple[slice, torch.Tensor] | None = None  # this step's stacked gradients, see project
         self.tensors = {key: torch.stack([s[key] for s in self.states]) for key in STACKED_STATE if key in self.states[0]}
         low_shape = self.tensors["exp_avg"].shape
-        self.inside = torch.zeros(low_shape, dtype=self.params[0].dtype, device=self.params[0].device)
+        self._low_shape = low_shape
+        # proj(S) of the deferred buffers (optim/feedback.py), allocated once a row keeps one: a stack whose
+        # matrices never do (omega = 1, lowrank-ddp) holds none
+        self._inside: torch.Tensor | None = None
         self._views: list[tuple[dict, str, torch.Tensor]] = []  # (state, key, the view it must hold)
         for i, s in enumerate(self.states):
             for key, stacked in self.tensors.items():
@@ -60,6 +63,12 @@ class MatrixStack:
             if INSIDE in s:
                 self.inside[i].copy_(s[INSIDE])
                 s[INSIDE] = self.inside[i]
+
+    @property
+    def inside(self) -> torch.Tensor:
+        if self._inside is None:
+            self._inside = torch.zeros(self._low_shape, dtype=self.params[0].dtype, device=self.params[0].device)
+        return self._inside
 
     def intact(self) -> bool:
         """Whether every state tensor is still the view this stack put there (checked at every step: by
@@ -113,7 +122,8 @@ class MatrixStack:
             error.copy_(a)
         elif feedback.deferrable(error, grad.dtype):  # from now on E is a running sum
             keep = feedback.keeps_inside(group)
-            self.inside[rows].zero_()
+            if keep:
+                self.inside[rows].zero_()
             for i, s in zip(range(rows.start, rows.stop), states):
                 feedback.begin(s, self.inside[i] if keep else None)
         return g
