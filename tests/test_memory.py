@@ -146,6 +146,39 @@ def test_codes_come_back_within_each_format_s_step():
     assert compact.nbytes(compact.INT4, 10_240) == 5_120 + 4 * 160
 
 
+def test_codes_are_the_nearest_book_value_and_stochastic_codes_bracket_the_value():
+    """encode finds codes by table lookup; the reference is a search of the code book itself: the nearest value
+    (ties to the lower code) and, for stochastic rounding, one of the two values around it. Inputs include the
+    midpoints between book values, their float32 neighbours, zeros of both signs and subnormals."""
+    gen = torch.Generator().manual_seed(3)
+    for fmt in (compact.INT8, compact.UINT8, compact.INT4, compact.LIN8):
+        book = compact.code_book(fmt, torch.device("cpu")).double()
+        mids = ((book[1:] + book[:-1]) / 2).float()
+        edges = torch.cat([mids, torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))])
+        y = torch.cat([torch.rand(30_000, generator=gen) * 2 - 1, torch.randn(2_000, generator=gen) * 1e-5, edges,
+                       torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1.0, -1.0])])
+        y = y[y.abs() <= 1]
+        if not fmt.signed:
+            y = y.abs()
+        # one block per value, scaled by its own magnitude 1 (a leading 1 in each block): y is what gets rounded
+        x = torch.stack([torch.ones_like(y), y], dim=1)
+        x = torch.cat([x, x.new_zeros(len(y), fmt.block - 2)], dim=1).reshape(-1)
+        value = (x.square() if fmt.root else x).view(-1, fmt.block)
+        codes, scale = compact.encode(value.reshape(-1), fmt, seed=5 if fmt.stochastic else None)
+        if fmt.bits == 4:
+            codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
+        got = book[codes.long()].view(-1, fmt.block)[:, 1]
+        y = y.double() if not fmt.root else value[:, 1].double().sqrt()
+        if fmt.stochastic:
+            lower = book[(torch.searchsorted(book, y, right=True) - 1).clamp(min=0)]
+            upper = book[torch.searchsorted(book, y).clamp(max=len(book) - 1)]
+            assert ((got == lower) | (got == upper)).all(), fmt.name
+        else:
+            nearest = (book[None, :] - y[:, None]).abs().min(dim=1).values
+            ulp = 2.0**-23 * y.abs()  # the midpoints are float32: at a midpoint, either neighbour is nearest
+            assert ((got - y).abs() <= nearest + ulp).all(), fmt.name
+
+
 def test_stochastic_rounding_keeps_the_expected_value_of_a_decaying_second_moment():
     """Each block's largest entry stays (it sets the scale); the others decay by β2 = 0.999 a step with no new
     gradient, less than one code step: stochastic rounding follows them, rounding to the nearest code freezes them."""

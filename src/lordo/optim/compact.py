@@ -104,6 +104,39 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(-1, block)
 
 
+def _as_float32(bits: torch.Tensor) -> torch.Tensor:
+    """The float32 values whose bit patterns are ``bits`` (int64 holding unsigned 32-bit patterns)."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
+@functools.cache
+def _rank_tables(fmt: Format, stochastic: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables that give ``count(points < y)`` for float32 ``y`` without a search (``points``: the code book for
+    stochastic rounding, the midpoints between its values for rounding to the nearest). A float32's top 16 bits
+    (sign, exponent, 7 mantissa bits) name a bucket of values 2⁻⁷ of their size wide, narrower than any gap
+    between the points where they lie in [−1, 1]; so within a bucket the count is the count below the bucket's
+    smallest value plus one if ``y`` passes the next point. ``below[key]`` is the first, ``nxt[key]`` that point."""
+    book = code_book(fmt, torch.device("cpu"))
+    points = book if stochastic else (book[1:] + book[:-1]) / 2
+    keys = torch.arange(2**16, dtype=torch.int64)
+    negative = keys >= 2**15  # larger mantissa bits are further from zero: the bucket's least value is its last
+    least = _as_float32(torch.where(negative, (keys << 16) | 0xFFFF, keys << 16))
+    most = _as_float32(torch.where(negative, keys << 16, (keys << 16) | 0xFFFF))
+    below = torch.searchsorted(points, least)
+    finite = torch.isfinite(least) & torch.isfinite(most)
+    assert int((torch.searchsorted(points, most) - below)[finite].max()) <= 1, f"{fmt.name}: points too close"
+    nxt = torch.cat([points, points.new_tensor([math.inf])])[below]
+    return below.to(torch.int32).to(device), nxt.to(device)
+
+
+def _count_below(y: torch.Tensor, fmt: Format, stochastic: bool) -> torch.Tensor:
+    """``torch.searchsorted(points, y)`` (int32) of :func:`_rank_tables`' points, by two table lookups."""
+    below, nxt = _rank_tables(fmt, stochastic, y.device)
+    flat = y.reshape(-1)
+    key = (flat.view(torch.int32) >> 16) & 0xFFFF
+    return (below.index_select(0, key) + (nxt.index_select(0, key) < flat)).view(y.shape)
+
+
 @torch.no_grad()
 def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, scales float32) of ``x``; ``seed`` makes stochastic rounding reproducible (formats that round
@@ -114,19 +147,19 @@ def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch
     rows = _blocks(x, fmt.block)
     scale = rows.abs().amax(dim=1)
     y = rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
-    book = code_book(fmt, x.device)
     if fmt.stochastic:
         if seed is None:
             raise ValueError(f"format {fmt.name} rounds stochastically: give a seed")
-        upper = torch.searchsorted(book, y.contiguous(), right=False).clamp_(1, book.numel() - 1)
-        lo, hi = book[upper - 1], book[upper]
+        book = code_book(fmt, x.device)
+        upper = _count_below(y, fmt, stochastic=True).clamp_(1, book.numel() - 1).reshape(-1)
+        lo = book.index_select(0, upper - 1).view_as(y)
+        hi = book.index_select(0, upper).view_as(y)
         gen = torch.Generator(device=x.device).manual_seed(seed)
         u = torch.rand(y.shape, generator=gen, device=x.device)
         take_hi = u * (hi - lo) < (y - lo)
-        codes = torch.where(take_hi, upper, upper - 1)
+        codes = upper.view_as(y) - (~take_hi).to(torch.int32)
     else:
-        mids = (book[1:] + book[:-1]) / 2
-        codes = torch.searchsorted(mids, y.contiguous())
+        codes = _count_below(y, fmt, stochastic=False)
     codes = codes.to(torch.uint8).reshape(-1)
     if fmt.bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
@@ -139,7 +172,7 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Format, shape: torch.S
     if fmt.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
     book = code_book(fmt, codes.device)
-    rows = book[codes.long()].view(-1, fmt.block) * scale[:, None]
+    rows = book.index_select(0, codes.reshape(-1).to(torch.int32)).view(-1, fmt.block) * scale[:, None]
     x = rows.reshape(-1)[: math.prod(shape)].view(shape)
     return x.square() if fmt.root else x
 
