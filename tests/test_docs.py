@@ -57,7 +57,7 @@ def test_python_blocks_run(page):
         exec(compile(code, str(page), "exec"), {"__name__": "docs"})
 
 
-KEY = re.compile(r"`((?:model|data|optim|schedule|train|strategy|dist|comm)\.(?!(?:pt|json|jsonl|toml|md|png|bin)`)[a-z_]+)(?=[`\s=])")
+KEY = re.compile(r"`((?:model|data|optim|schedule|train|strategy|dist|comm)\.(?!(?:pt|json|jsonl|toml|md|png|bin|safetensors)`)[a-z_]+)(?=[`\s=])")
 
 
 def test_pages_name_only_existing_config_keys():

@@ -55,7 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies (default: all but diloco)")
     r.add_argument("--repeats", type=int, default=2, help="runs per strategy, round-robin (median tokens/s)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run (repeatable)")
-    tp = sub.add_parser("throughput", help="tokens/s of training in float32, bfloat16 autocast, torch.compile and both, at "
+    tp = sub.add_parser("throughput", help="tokens/s of training in float32, bfloat16 autocast, torch.compile, both, and the "
+                        "lean optimizer state, at "
                         "1 and 2 threads (short runs, round-robin)")
     tp.add_argument("--preset", default="paper-16m", help="model shape preset (default paper-16m)")
     tp.add_argument("--strategy", default="lordo", help="strategy (default lordo)")

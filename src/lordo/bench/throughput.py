@@ -2,8 +2,8 @@
 
 Short ``lordo train`` runs (child processes) of one model shape and strategy in every setting: float32 eager,
 bfloat16 autocast (``train.precision = "bf16-mixed"``: on a CPU with AVX-512 BF16 or AMX, oneDNN's bfloat16
-GEMMs), ``torch.compile`` of the model (``train.compile``), the two together; each at one and two intra-op
-threads. The settings run round-robin, ``repeats`` times, so that drift in the machine's speed hits all alike;
+GEMMs), ``torch.compile`` of the model (``train.compile``), the two together, and float32 with the lean optimizer
+state (``strategy.memory = "lean"``: what its 8-bit storage costs a step); each at one and two intra-op threads. The settings run round-robin, ``repeats`` times, so that drift in the machine's speed hits all alike;
 tokens/s is measured from the run's own clock between the first logged step past ``warmup`` (compiling, the
 first allocations) and the last, and reported as the median over repeats and as a ratio to float32 eager at
 one thread. Which setting keeps perplexity is another question: docs/performance.md answers it with runs.
@@ -25,6 +25,7 @@ SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("bf16-mixed", ('train.precision="bf16-mixed"',)),
     ("fp32, compiled", ('train.precision="fp32"', "train.compile=true")),
     ("bf16-mixed, compiled", ('train.precision="bf16-mixed"', "train.compile=true")),
+    ("fp32, lean state", ('train.precision="fp32"', 'strategy.memory="lean"')),
 )
 
 
