@@ -57,7 +57,8 @@ def test_python_blocks_run(page):
         exec(compile(code, str(page), "exec"), {"__name__": "docs"})
 
 
-KEY = re.compile(r"`((?:model|data|optim|schedule|train|strategy|dist|comm)\.(?!(?:pt|json|jsonl|toml|md|png|bin|safetensors)`)[a-z_]+)(?=[`\s=])")
+FILE_SUFFIX = r"(?:pt|json|jsonl|toml|md|png|bin|safetensors)`"  # model.pt is a file, not a key
+KEY = re.compile(rf"`((?:model|data|optim|schedule|train|strategy|dist|comm)\.(?!{FILE_SUFFIX})[a-z_]+)(?=[`\s=])")
 
 
 def test_pages_name_only_existing_config_keys():

@@ -1,12 +1,13 @@
 """``lordo bench throughput``: tokens/s of training on this machine in each numeric setting, side by side.
 
 Short ``lordo train`` runs (child processes) of one model shape and strategy in every setting: float32 eager,
-bfloat16 autocast (``train.precision = "bf16-mixed"``: on a CPU with AVX-512 BF16 or AMX, oneDNN's bfloat16
-GEMMs), ``torch.compile`` of the model (``train.compile``), the two together, and float32 with the lean optimizer
-state (``strategy.memory = "lean"``: what its 8-bit storage costs a step); each at one and two intra-op threads. The settings run round-robin, ``repeats`` times, so that drift in the machine's speed hits all alike;
-tokens/s is measured from the run's own clock between the first logged step past ``warmup`` (compiling, the
-first allocations) and the last, and reported as the median over repeats and as a ratio to float32 eager at
-one thread. Which setting keeps perplexity is another question: docs/performance.md answers it with runs.
+bfloat16 autocast (``train.precision = "bf16-mixed"``: on a CPU with AVX-512 BF16 or AMX, oneDNN's bfloat16 GEMMs),
+``torch.compile`` of the model (``train.compile``), the two together, and float32 with the lean optimizer state
+(``strategy.memory = "lean"``: what its 8-bit storage costs a step); each at one and two intra-op threads. The
+settings run round-robin, ``repeats`` times, so that drift in the machine's speed hits all alike; tokens/s is
+measured from the run's own clock between the first logged step past ``warmup`` (compiling, the first allocations)
+and the last, and reported as the median over repeats and as a ratio to float32 eager at one thread. Which setting
+keeps perplexity is another question: docs/performance.md answers it with runs.
 """
 
 from __future__ import annotations
