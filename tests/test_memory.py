@@ -371,6 +371,37 @@ def test_a_folded_residual_reaches_the_model_of_a_delayed_round_too():
             assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * float(t_b.abs().max()))
 
 
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_folded_run_ends_with_one_model_on_every_worker(delay):
+    """The last round carries no residual into the models (no round follows to deliver it, as a buffered run
+    keeps its buffer undelivered): every worker ends with the round's mean model, bit for bit."""
+    over = ['strategy.compress="int4"', 'strategy.compress_residual="model"', f"strategy.sync_delay={delay}"]
+    folded, models = build("local-adam", workers=3, overrides=over, model=wider_model)
+    train(folded, models, 3)
+    assert any(not torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    folded.finish()
+    for other in models[1:]:
+        for a, b in zip(models[0].parameters(), other.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_a_folded_block_coded_round_in_flight_is_held_as_its_codes():
+    """int4 rounds with the residual folded and sync_delay = 1: between the send and the landing the worker holds
+    its sent payloads and the mean's, not two float32 copies of the model; measured as accounted, and a fraction
+    of the float32 pair that an unfolded round holds."""
+    over = ['strategy.compress="int4"', "strategy.sync_delay=1"]
+    folded, models = build("lordo", workers=2, overrides=[*over, 'strategy.compress_residual="model"'], model=wider_model)
+    buffered, models_b = build("lordo", workers=2, overrides=over, model=wider_model)
+    train(folded, models, 2)  # sent at the end of step 2
+    train(buffered, models_b, 2)
+    assert folded.in_flight is not None and folded.in_flight.coded is not None and buffered.in_flight.coded is None
+    assert folded.in_flight.own == [] and folded.in_flight.mean == []
+    measured, accounted = folded.measured_state_bytes()["round_in_flight"], folded.state_bytes()["round_in_flight"]
+    assert measured == pytest.approx(accounted, rel=0.02)
+    float_pair = 2 * 4 * sum(t.numel() for t in folded.workers[0].tensors)
+    assert measured < 0.25 * buffered.measured_state_bytes()["round_in_flight"] and measured < 0.25 * float_pair
+
+
 def test_one_flag_turns_the_lean_storage_on_where_the_strategy_has_it():
     lean = build_config(overrides=['strategy.name="lordo"', 'strategy.memory="lean"', 'strategy.compress="int4"'])
     s = lean.strategy

@@ -109,9 +109,13 @@ def test_a_round_landed_at_once_is_the_blocking_synchronisation(name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["lordo", "lordo-local", "local-adam"])
-def test_resume_with_a_round_in_flight_equals_uninterrupted(name):
-    over = ["strategy.sync_delay=2", *(['strategy.average_moments="all"'] if name == "local-adam" else [])]
+FOLDED_INT4 = ['strategy.compress="int4"', 'strategy.compress_residual="model"']  # a round in flight held as codes
+
+
+@pytest.mark.parametrize("name, extra", [("lordo", []), ("lordo-local", []), ("local-adam", []), ("lordo", FOLDED_INT4)],
+                         ids=["lordo", "lordo-local", "local-adam", "lordo-int4-folded"])
+def test_resume_with_a_round_in_flight_equals_uninterrupted(name, extra):
+    over = ["strategy.sync_delay=2", *(['strategy.average_moments="all"'] if name == "local-adam" else []), *extra]
     models, strategy, _ = make(name, over)
     train_steps(models, strategy, 0, 10)
     strategy.finish()
@@ -129,6 +133,7 @@ def test_resume_with_a_round_in_flight_equals_uninterrupted(name):
         m.load_state_dict(s)
     strategy.load_state_dict(saved["strategy"])
     assert strategy.in_flight is not None and strategy.in_flight.sent_at == 3
+    assert (strategy.in_flight.coded is not None) == bool(extra)
     train_steps(models, strategy, 4, 10)
     strategy.finish()
     for a, b in zip(reference, models[0].parameters()):
@@ -138,11 +143,13 @@ def test_resume_with_a_round_in_flight_equals_uninterrupted(name):
 DELAYED = [*LOWRANK, "strategy.sync_delay=2", "strategy.compress=\"int8\""]
 
 
-@pytest.mark.parametrize("name", ["lordo", "local-adam"])
-def test_simulator_and_gloo_give_the_same_trajectory_with_rounds_in_flight(name):
+@pytest.mark.parametrize("name, extra", [("lordo", []), ("local-adam", []), ("lordo", ['strategy.compress_residual="model"'])],
+                         ids=["lordo", "local-adam", "lordo-folded"])
+def test_simulator_and_gloo_give_the_same_trajectory_with_rounds_in_flight(name, extra):
     """On gloo the round's collectives run in a thread on their own process group while the next steps train;
-    on the simulator at once: the same code gives the same trajectory and the same ledger, bit for bit."""
-    comm = assert_simulator_equals_gloo(name, DELAYED)
+    on the simulator at once: the same code gives the same trajectory and the same ledger, bit for bit (folded:
+    the round in flight held as codes)."""
+    comm = assert_simulator_equals_gloo(name, [*DELAYED, *extra])
     assert comm.ledger.overlapped_calls > 0 and comm.ledger.wait_s == 0
 
 

@@ -168,37 +168,53 @@ def average(comm: Communicator, per_worker: TensorLists, tag: str, codec: AnyCod
 def _sharded_average(comm: Communicator, per_worker: TensorLists, tag: str, codec: BlockCodec,
                      residuals: Sequence[Sequence[torch.Tensor]] | None,
                      shard_residuals: Sequence[torch.Tensor] | None) -> None:
-    world = comm.world_size
-    shard = shard_numel(padded_numel([t.numel() for t in per_worker[0]], codec), world, codec)
-    chunks, flats = [], []
-    for h, tensors in enumerate(per_worker):
-        flat = _gather_padded(tensors, world * shard, codec.block)
-        if residuals:
-            flat += _gather_padded(residuals[h], world * shard, codec.block)
-        encoded = [codec.encode(flat[j * shard:(j + 1) * shard]) for j in range(world)]
-        if residuals:  # what the first encoding lost stays with this worker
-            _scatter_into(residuals[h], flat - torch.cat([codec.decode(b, shard) for b in encoded]), codec.block)
-        chunks.append(encoded)
-        flats.append(flat)
+    shard = shard_numel(padded_numel([t.numel() for t in per_worker[0]], codec), comm.world_size, codec)
+    chunks = [shard_payloads(tensors, comm.world_size, shard, codec, residuals[h] if residuals else None)
+              for h, tensors in enumerate(per_worker)]
+    gathered = exchange_shards(comm, chunks, tag, codec, shard, shard_residuals)
+    results: dict[int, torch.Tensor] = {}  # the simulator hands every hosted worker the same list
+    for tensors, sources in zip(per_worker, gathered):
+        if id(sources) not in results:
+            results[id(sources)] = decode_shards(sources, shard, codec)
+        _scatter_into(tensors, results[id(sources)], codec.block)
+
+
+def shard_payloads(tensors: Sequence[torch.Tensor], world: int, shard: int, codec: BlockCodec,
+                   residuals: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """One worker's tensors (plus ``residuals``) laid out flat and cut into ``world`` shards of ``shard``
+    elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost."""
+    flat = _gather_padded(tensors, world * shard, codec.block)
+    if residuals:
+        flat += _gather_padded(residuals, world * shard, codec.block)
+    encoded = [codec.encode(flat[j * shard:(j + 1) * shard]) for j in range(world)]
+    if residuals:  # what the first encoding lost stays with this worker
+        _scatter_into(residuals, flat - decode_shards([[b] for b in encoded], shard, codec), codec.block)
+    return encoded
+
+
+def exchange_shards(comm: Communicator, chunks: list[list[torch.Tensor]], tag: str, codec: BlockCodec, shard: int,
+                    shard_residuals: Sequence[torch.Tensor] | None) -> list[list[list[torch.Tensor]]]:
+    """The quantised reduce-scatter and all-gather of every hosted worker's :func:`shard_payloads`: per hosted
+    worker, the encoded mean of each shard (``[[payload]]`` per shard, in rank order; :func:`decode_shards`)."""
     received = comm.all_to_all(chunks, tag=tag)
     mine = []
     for h, copies in enumerate(received):  # the mean of my shard over the workers, summed in rank order
-        mean = torch.zeros(shard, dtype=torch.float32, device=flats[h].device)
+        mean = torch.zeros(shard, dtype=torch.float32, device=copies[0].device)
         for buf in copies:
             mean += codec.decode(buf, shard)
-        mean /= world
+        mean /= comm.world_size
         if shard_residuals is not None:
             mean += shard_residuals[h]
         sent = codec.encode(mean)
         if shard_residuals is not None:  # what the second encoding lost stays with the shard's owner
             shard_residuals[h].copy_(mean - codec.decode(sent, shard))
         mine.append([sent])
-    gathered = comm.all_gather(mine, tag=tag)
-    results: dict[int, torch.Tensor] = {}  # the simulator hands every hosted worker the same list
-    for tensors, sources in zip(per_worker, gathered):
-        if id(sources) not in results:
-            results[id(sources)] = torch.cat([codec.decode(src[0], shard) for src in sources])
-        _scatter_into(tensors, results[id(sources)], codec.block)
+    return comm.all_gather(mine, tag=tag)
+
+
+def decode_shards(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: BlockCodec) -> torch.Tensor:
+    """The flat vector whose shards ``sources`` holds encoded (one ``[payload]`` per shard, in order)."""
+    return torch.cat([codec.decode(src[0], shard) for src in sources])
 
 
 def _gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:

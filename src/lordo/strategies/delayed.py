@@ -14,6 +14,11 @@ moments are rotated into them then; the error feedback of the τ steps stays in 
 rotation settles it, as at any basis change. With τ = 0 (a round landed at once, as ``finish`` does) this is
 the blocking synchronisation. A :class:`RoundInFlight` holds what the landing needs; ``state_dict`` waits for
 the exchange (not for the landing), so a checkpoint holds an arrived round and a resume lands it at s + τ.
+
+A block-coded round (int8, int4) whose compression residual is folded into the model (``compress_residual =
+"model"``) is held as codes (:class:`CodedDeltas`): what a worker sent is x − e, exactly the Δ_m a late landing
+keeps, so the worker keeps its sent payloads, and the mean as the payloads that arrive; both are decoded at the
+landing. The two float32 copies of the model's size become two of the codec's (an eighth of them at int4).
 """
 
 from __future__ import annotations
@@ -24,19 +29,68 @@ from typing import Any
 import torch
 
 from ..comm.base import Communicator, RoundHandle
+from ..comm.codec import BlockCodec, _scatter_into, average, decode_shards, exchange_shards, padded_numel, shard_numel, shard_payloads
 from ..errors import ConfigError
 
 Lists = list[list[torch.Tensor]]  # per hosted worker, per tensor
 
 
 @dataclass
+class CodedDeltas:
+    """Each hosted worker's pseudo-gradient of a block-coded round as the payloads it sent (one per shard), and
+    once the round has arrived, the mean's payloads (``[payload]`` per shard, as :func:`exchange_shards` gives)."""
+    codec: BlockCodec
+    shapes: list[torch.Size]
+    sent: Lists  # per hosted worker, per shard
+    received: list[list[list[torch.Tensor]]] | None = None
+
+    @classmethod
+    @torch.no_grad()
+    def encode(cls, own: Lists, codec: BlockCodec, world: int) -> CodedDeltas:
+        shapes = [t.shape for t in own[0]]
+        shard = shard_numel(padded_numel(shapes, codec), world, codec)
+        return cls(codec, shapes, [shard_payloads(mine, world, shard, codec) for mine in own])
+
+    @property
+    def shard(self) -> int:
+        """Elements per shard (the world is the number of payloads each worker sent)."""
+        return shard_numel(padded_numel(self.shapes, self.codec), len(self.sent[0]), self.codec)
+
+    def exchange(self, comm: Communicator, tag: str, shard_residuals: list[torch.Tensor] | None) -> None:
+        self.received = exchange_shards(comm, self.sent, f"{tag}_{self.codec.name}", self.codec, self.shard,
+                                        shard_residuals)
+
+    def _tensors(self, sources: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        out = [torch.empty(shape, device=sources[0][0].device) for shape in self.shapes]
+        _scatter_into(out, decode_shards(sources, self.shard, self.codec), self.codec.block)
+        return out
+
+    def own(self) -> Lists:
+        """Each hosted worker's Δ as sent (x − e)."""
+        return [self._tensors([[b] for b in mine]) for mine in self.sent]
+
+    def mean(self, h: int) -> list[torch.Tensor]:
+        assert self.received is not None, "the round has not arrived"
+        return self._tensors(self.received[h])
+
+
+@dataclass
 class RoundInFlight:
     sent_at: int  # the local step at whose end the round started
-    own: Lists  # each hosted worker's pseudo-gradient as sent
-    mean: Lists  # the buffers the exchange averages in place: the round's Δ once it has arrived
+    own: Lists  # each hosted worker's pseudo-gradient as sent (empty when ``coded``)
+    mean: Lists  # the buffers the exchange averages in place: the round's Δ once it has arrived (empty when ``coded``)
     moments: dict[str, tuple[Lists, Lists]]  # moment key → (each worker's moments at sent_at, their averages)
     basis_input: Any = None  # what the basis policy needs at the landing (LocalBasis: each worker's own gradients)
     handle: RoundHandle | None = None  # None once the exchange has arrived
+    coded: CodedDeltas | None = None  # the pseudo-gradients as codes instead of ``own`` and ``mean``
+
+    def own_deltas(self) -> Lists:
+        """Each hosted worker's pseudo-gradient as it sent it."""
+        return self.coded.own() if self.coded is not None else self.own
+
+    def mean_delta(self) -> list[torch.Tensor]:
+        """The round's averaged pseudo-gradient (hosted worker 0's copy)."""
+        return self.coded.mean(0) if self.coded is not None else self.mean[0]
 
     def wait(self) -> None:
         """Block until the exchange has arrived (at once if it has)."""
@@ -47,27 +101,96 @@ class RoundInFlight:
     def worker_share(self, h: int) -> list[Any]:
         """What hosted worker ``h`` holds of the round (its tensors, live)."""
         moments = [[sent[h], means[h]] for sent, means in self.moments.values()]
-        return [self.own[h], self.mean[h], moments, None if self.basis_input is None else self.basis_input[h]]
+        deltas = [self.own[h], self.mean[h]] if self.coded is None else [
+            self.coded.sent[h], None if self.coded.received is None else self.coded.received[h]]
+        return [*deltas, moments, None if self.basis_input is None else self.basis_input[h]]
 
     def worker_state(self, h: int) -> dict[str, Any]:
         """What hosted worker ``h`` saves of the arrived round (tensors only, ``weights_only``-loadable)."""
+        if self.coded is not None:
+            assert self.coded.received is not None, "the round has not arrived"
+            deltas = {"own_codes": [t.clone() for t in self.coded.sent[h]],
+                      "mean_codes": [src[0].clone() for src in self.coded.received[h]]}
+        else:
+            deltas = {"own": [t.clone() for t in self.own[h]], "mean": [t.clone() for t in self.mean[h]]}
         return {
-            "own": [t.clone() for t in self.own[h]],
-            "mean": [t.clone() for t in self.mean[h]],
+            **deltas,
             "moments": {key: [[t.clone() for t in sent[h]], [t.clone() for t in means[h]]]
                         for key, (sent, means) in self.moments.items()},
             "basis_input": None if self.basis_input is None else [t.clone() for t in self.basis_input[h]],
         }
 
     @classmethod
-    def from_state(cls, sent_at: int, saved: list[dict[str, Any]]) -> RoundInFlight:
-        """An arrived round from each hosted worker's :meth:`worker_state`."""
+    def from_state(cls, sent_at: int, saved: list[dict[str, Any]], codec: Any, shapes: list[torch.Size]) -> RoundInFlight:
+        """An arrived round from each hosted worker's :meth:`worker_state` (``codec``, ``shapes``: the
+        pseudo-gradient's, for a round held as codes)."""
         keys = list(saved[0]["moments"])
         moments = {key: ([list(s["moments"][key][0]) for s in saved], [list(s["moments"][key][1]) for s in saved])
                    for key in keys}
         inputs = [s["basis_input"] for s in saved]
-        return cls(sent_at, [list(s["own"]) for s in saved], [list(s["mean"]) for s in saved], moments,
-                   None if inputs[0] is None else [list(i) for i in inputs])
+        basis_input = None if inputs[0] is None else [list(i) for i in inputs]
+        if "own_codes" not in saved[0]:
+            return cls(sent_at, [list(s["own"]) for s in saved], [list(s["mean"]) for s in saved], moments, basis_input)
+        if not isinstance(codec, BlockCodec):
+            raise ValueError("the state holds a block-coded synchronisation in flight, but this strategy's rounds "
+                             f"are not block-coded (compress {getattr(codec, 'name', codec)!r})")
+        coded = CodedDeltas(codec, shapes, [list(s["own_codes"]) for s in saved],
+                            [[[t] for t in s["mean_codes"]] for s in saved])
+        return cls(sent_at, [], [], moments, basis_input, coded=coded)
+
+
+@torch.no_grad()
+def start_round(s: Any, moment_keys: tuple[str, ...]) -> RoundInFlight:
+    """Start strategy ``s``'s synchronisation behind the next steps: its exchange handed to the communicator, what
+    the landing needs kept (as codes where ``s.coded_rounds()``)."""
+    own = [s.anchor.own(w.tensors) for w in s.workers]
+    moments = {}
+    for key in moment_keys:
+        live = s._moments(key)
+        if live[0]:
+            moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
+    codecs, fold = s.codecs, s.fold_residuals
+    shard_residuals = [w.shard_residual for w in s.workers if w.shard_residual is not None] or None
+    if s.coded_rounds():  # the float32 Δ let go once encoded
+        coded: CodedDeltas | None = CodedDeltas.encode(own, codecs["pseudo_gradient"], s.comm.world_size)
+        own, mean, residuals = [], [], []
+    else:
+        coded, mean, residuals = None, [[d.clone() for d in mine] for mine in own], s._round_residuals()
+
+    def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order
+        for key, (_, means) in moments.items():
+            average(comm, means, key, codecs[key])
+        if coded is not None:
+            coded.exchange(comm, "pseudo_gradient", shard_residuals)
+            return
+        average(comm, mean, "pseudo_gradient", codecs["pseudo_gradient"], residuals, shard_residuals)
+        if fold:  # what each worker sent, x − e: landing with it leaves −e in the model
+            for mine, lost in zip(own, residuals, strict=True):
+                torch._foreach_sub_(mine, lost)
+            residuals.clear()
+
+    r = RoundInFlight(s.steps_done, own, mean, moments, s.round_input(), coded=coded)
+    r.handle = s.comm.start_round(exchange)
+    return r
+
+
+@torch.no_grad()
+def land_round(s: Any, r: RoundInFlight) -> dict[str, float]:
+    """Apply round ``r`` to strategy ``s``, merged with the local steps taken since it started."""
+    r.wait()
+    delay = s.steps_done - r.sent_at
+    for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
+        beta, moments = (0 if key == "exp_avg" else 1), s._moments(key)
+        for i, w in enumerate(s.workers):
+            betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
+            for p, at_send, m, live in zip(s.averaged_params(i), sent[i], means[i], moments[i]):
+                live.add_(m - at_send, alpha=betas[id(p)] ** delay)
+    captured_now = s.round_input()  # this step's, for the round it starts (τ = K): kept aside
+    s.restore_round_input(r.basis_input)
+    stats = s._apply_round(r.mean_delta(), r.own_deltas() if delay else None)
+    s.restore_round_input(captured_now)
+    stats["sync_delay_steps"] = float(delay)
+    return stats
 
 
 def check_delay(comm: Communicator, moment_periods: dict[str, int]) -> None:

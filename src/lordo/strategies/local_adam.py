@@ -27,7 +27,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
 from .anchor import Anchor
 from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
-from .delayed import RoundInFlight, check_delay
+from .delayed import RoundInFlight, check_delay, land_round, start_round
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RESIDUALS = ("buffer", "model")
@@ -184,8 +184,11 @@ class LocalUpdateStrategy(Strategy):
     def finish(self) -> dict[str, float]:
         stats = self.land() if self.in_flight is not None else {}  # a round in flight lands now
         if not self.in_sync:
-            stats.update(self.comm.round("final", self.synchronise, self, self.steps_done))
+            stats.update(self.comm.round("final", self.final_round, self, self.steps_done))
         return stats
+
+    def final_round(self) -> dict[str, float]:
+        return self.synchronise(final=True)
 
     def round_input(self) -> Any:
         """Hook: what ``after_average`` will need of this step's state, handed to a round in flight."""
@@ -194,52 +197,21 @@ class LocalUpdateStrategy(Strategy):
     def restore_round_input(self, value: Any) -> None:  # noqa: B027 (nothing to restore unless round_input gives it)
         """Hook: put back, at the landing, what :meth:`round_input` handed to the round."""
 
-    @torch.no_grad()
     def send(self) -> None:
         """Start a synchronisation without blocking (``sync_delay`` > 0): each worker's pseudo-gradient and
         moments due, as they are now, averaged behind the next local steps (``delayed.py``)."""
-        own = [self.anchor.own(w.tensors) for w in self.workers]
-        mean = [[d.clone() for d in mine] for mine in own]
-        moments = {}
-        for key in MOMENTS:
-            live = self._moments(key)
-            if live[0]:
-                moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
-        codecs, residuals = self.codecs, self._round_residuals()
-        shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
-        fold = self.fold_residuals
+        self.in_flight = start_round(self, MOMENTS)
 
-        def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order
-            for key, (_, means) in moments.items():
-                average(comm, means, key, codecs[key])
-            average(comm, mean, "pseudo_gradient", codecs["pseudo_gradient"], residuals, shard_residuals)
-            if fold:  # what each worker sent, x − e: landing with it leaves −e in the model (delayed.py)
-                for mine, lost in zip(own, residuals, strict=True):
-                    torch._foreach_sub_(mine, lost)
-                residuals.clear()
+    def coded_rounds(self) -> bool:
+        """Whether a round in flight holds the pseudo-gradients as codes: block-coded rounds whose compression
+        residual is folded into the model, over more than one worker."""
+        return self.fold_residuals and isinstance(self.codecs["pseudo_gradient"], BlockCodec) and self.comm.world_size > 1
 
-        self.in_flight = RoundInFlight(self.steps_done, own, mean, moments, self.round_input())
-        self.in_flight.handle = self.comm.start_round(exchange)
-
-    @torch.no_grad()
     def land(self) -> dict[str, float]:
         """Apply the round in flight, merged with the local steps taken since it started (``delayed.py``)."""
         r, self.in_flight = self.in_flight, None
         assert r is not None
-        r.wait()
-        delay = self.steps_done - r.sent_at
-        for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
-            beta, moments = (0 if key == "exp_avg" else 1), self._moments(key)
-            for i, w in enumerate(self.workers):
-                betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
-                for p, at_send, m, live in zip(self.averaged_params(i), sent[i], means[i], moments[i]):
-                    live.add_(m - at_send, alpha=betas[id(p)] ** delay)
-        captured_now = self.round_input()  # this step's, for the round it starts (τ = K): kept aside
-        self.restore_round_input(r.basis_input)
-        stats = self._apply_round(r.mean[0], r.own if delay else None)
-        self.restore_round_input(captured_now)
-        stats["sync_delay_steps"] = float(delay)
-        return stats
+        return land_round(self, r)
 
     def _moments(self, key: str) -> list[list[torch.Tensor]]:
         """Each hosted worker's moments ``key`` of its averaged parameters (their shards, if sharded)."""
@@ -250,7 +222,7 @@ class LocalUpdateStrategy(Strategy):
     def mirror_round(self, kind: str, resume_at: int) -> None:
         # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway
         self.steps_done = resume_at
-        rounds = {"sync": self.sync_round, "final": self.synchronise}
+        rounds = {"sync": self.sync_round, "final": self.final_round}
         if kind not in rounds:
             raise ValueError(f"cannot take part in a {kind!r} round")
         rounds[kind]()
@@ -268,14 +240,16 @@ class LocalUpdateStrategy(Strategy):
         return self.synced_at == self.steps_done
 
     @torch.no_grad()
-    def synchronise(self) -> dict[str, float]:
+    def synchronise(self, final: bool = False) -> dict[str, float]:
+        """A blocking round; ``final``: the last of the run, after which every worker holds the same model (a
+        folded residual is not carried: no round follows to deliver it, as a buffered one is not either)."""
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
         residuals = self._round_residuals()
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], residuals, shard_residuals)
         stats = self._apply_round(pseudo[0])
-        if self.fold_residuals:  # each worker starts the next round at θ_new − e: its next Δ carries e
+        if self.fold_residuals and not final:  # each worker starts the next round at θ_new − e: its next Δ carries e
             for w, lost in zip(self.workers, residuals, strict=True):
                 torch._foreach_sub_(w.tensors, lost)
         return stats
@@ -337,7 +311,8 @@ class LocalUpdateStrategy(Strategy):
         if sent_at >= 0:
             if not self.sync_delay:
                 raise ValueError("the state holds a synchronisation in flight, but this strategy has sync_delay = 0")
-            self.in_flight = RoundInFlight.from_state(int(sent_at), [w["round_in_flight"] for w in state["workers"]])
+            self.in_flight = RoundInFlight.from_state(int(sent_at), [w["round_in_flight"] for w in state["workers"]],
+                                                      self.codecs["pseudo_gradient"], [t.shape for t in self.workers[0].tensors])
 
     def shared_state(self) -> dict[str, Any]:
         return {
@@ -383,7 +358,12 @@ class LocalUpdateStrategy(Strategy):
             out["outer_optimizer"] = outer
         if self.sync_delay:  # held while a round is in flight: the pseudo-gradient sent and its mean, moments too
             moments = [t for key in MOMENTS for t in self._moments(key)[0]] if self.average != "none" else []
-            out["round_in_flight"] = 2 * tensor_bytes(self.workers[0].tensors) + 2 * tensor_bytes(moments)
+            deltas = 2 * tensor_bytes(self.workers[0].tensors)
+            if self.coded_rounds():  # as codes: one payload per shard sent, one per shard received
+                codec, world = self.codecs["pseudo_gradient"], self.comm.world_size
+                deltas = 2 * world * codec.nbytes(shard_numel(padded_numel([t.shape for t in self.workers[0].tensors],
+                                                                           codec), world, codec))
+            out["round_in_flight"] = deltas + 2 * tensor_bytes(moments)
         if self.workers[0].residuals or self.workers[0].shard_residual is not None:
             out["compression_feedback"] = tensor_bytes([*self.workers[0].residuals, self.workers[0].shard_residual])
         return out

@@ -148,9 +148,9 @@ class LoRDOStrategy(LocalUpdateStrategy):
         codec.bases = [(state[p]["basis"], side_of(p.shape)) if i in lowrank and "basis" in state[p] else None
                        for i, p in enumerate(self.workers[0].params)]
 
-    def synchronise(self) -> dict[str, float]:
+    def synchronise(self, final: bool = False) -> dict[str, float]:
         self._bind_bases()
-        return super().synchronise()
+        return super().synchronise(final)
 
     def send(self) -> None:
         self._bind_bases()
