@@ -253,11 +253,11 @@ def test_nonfinite_pseudo_gradient_stops_at_the_sync(data_dir, tmp_path, monkeyp
 
     original = LocalUpdateStrategy.synchronise
 
-    def synchronise(self):
+    def synchronise(self, final=False):
         if self.syncs == 1:  # worker 1 arrives at the second sync with a poisoned parameter
             with torch.no_grad():
                 self.workers[1].params[0].view(-1)[0] = float("inf")
-        return original(self)
+        return original(self, final)
 
     monkeypatch.setattr(LocalUpdateStrategy, "synchronise", synchronise)
     with pytest.raises(NonFiniteError, match=r"pseudo-gradient is not finite at synchronisation 2 \(after optimizer step 8\)"

@@ -169,7 +169,9 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int, opti
         mean = [(p.full_tensor() if shard else p).detach().clone() for p in spare.parameters()]
         stats = opt.finish()
         whole = [(p.full_tensor() if shard else p).detach().clone() for p in model.parameters()]
-        return whole, opt.ledger.table(), stats, opt.memory_report(), mean
+        counters = [t for state in opt.strategy.workers[0].optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor) and t.ndim == 0]  # step counts: every rank holds its own
+        return whole, opt.ledger.table(), stats, opt.memory_report(), mean, sum(t.element_size() for t in counters)
     finally:
         opt.close()
         dist.destroy_process_group()
@@ -188,7 +190,7 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
     assert all(status == "ok" for status, _ in [*whole.values(), *sharded.values()]), (whole, sharded)
     reference = whole[0][1][0]
     for rank in range(4):
-        params, _, final, _, mean = sharded[rank][1]
+        params, _, final, _, mean, _ = sharded[rank][1]
         for got, want in zip(params, reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for got, want in zip(mean, whole[0][1][4], strict=True):  # average_into after an evaluation
@@ -202,10 +204,15 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
         for tag, entry in whole[2 * w][1][1].items():  # its leader's ledger
             assert mine[tag]["calls"] == entry["calls"] == other[tag]["calls"], tag
             assert mine[tag]["bytes"] + other[tag]["bytes"] == entry["bytes"], tag
-    # and hold between them one whole worker's state, but for the bases, which each rank holds whole
+    # and hold between them one whole worker's state, but for the bases and the step counts, which each rank
+    # holds whole
     memory, halves = whole[0][1][3], [sharded[rank][1][3] for rank in (0, 1)]
-    for key in memory.keys() - {"bases", "total", "device_total"}:
-        assert halves[0][key] + halves[1][key] == memory[key], key
+    counters = whole[0][1][5]
+    assert counters > 0 and counters == sharded[0][1][5] == sharded[1][1][5]
+    extra = {key: halves[0][key] + halves[1][key] - memory[key] for key in memory.keys() - {"bases", "total",
+                                                                                          "device_total"}}
+    assert extra.pop("adamw") == 0 and sum(extra.values()) == counters, extra
+    assert all(more >= 0 for more in extra.values()), extra
     assert halves[0].get("bases") == halves[1].get("bases") == memory.get("bases")
 
 

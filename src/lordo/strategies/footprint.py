@@ -39,12 +39,12 @@ def storage_key(t: torch.Tensor) -> tuple[str, int] | None:
 
 def plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """The plain tensors holding ``t``'s memory: itself, a DTensor's local shard, a tensor subclass's inner tensors."""
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local):  # DTensor (an FSDP2 parameter too)
+        yield from plain_tensors(to_local())
+        return
     if type(t) in (torch.Tensor, nn.Parameter) or isinstance(t, nn.Parameter):
         yield t
-        return
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):  # DTensor
-        yield from plain_tensors(to_local())
         return
     flatten = getattr(t, "__tensor_flatten__", None)
     if callable(flatten):
@@ -106,7 +106,8 @@ def state_category(optimizer: torch.optim.Optimizer, param: torch.Tensor, path: 
         return own(param, names)
     if any("ortho" in n or "proj" in n for n in names):
         return "bases"  # GaLore's projector
-    if param.ndim == 2 and t.ndim == 2 and 0 < t.numel() <= param.numel() // 2:
+    local = sum(x.numel() for x in plain_tensors(param))  # a sharded parameter's shard, as ``t`` is
+    if param.ndim == 2 and t.ndim == 2 and 0 < t.numel() <= local // 2:
         return "lowrank_moments"  # GaLore's moments of the projected gradient
     return "full_rank_moments"
 
