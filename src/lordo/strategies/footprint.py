@@ -85,14 +85,16 @@ def walk(obj: Any, path: tuple = (), seen: set[int] | None = None) -> Iterator[t
             yield from walk(getattr(obj, slot), (*path, slot), seen)
 
 
-def excluded_storages(models: list[nn.Module]) -> set[tuple[str, int]]:
-    """The storages of the models' parameters, their gradients and buffers: the model's, not the optimizer's."""
+def excluded_storages(models: list[nn.Module], optimizer: torch.optim.Optimizer | None = None) -> set[tuple[str, int]]:
+    """The storages of the models' parameters, their gradients and buffers, and of the parameters the optimizer
+    steps: the model's, not the optimizer's (FSDP2 swaps a module's sharded parameters for gathered ones after a
+    forward pass, so the optimizer's shards are not always the module's parameters)."""
     out: set[tuple[str, int]] = set()
-    for m in models:
-        for t in [*m.parameters(), *m.buffers()]:
-            for source in (t, t.grad):
-                if source is not None:
-                    out.update(k for x in plain_tensors(source) if (k := storage_key(x)) is not None)
+    stepped = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
+    for t in [*(t for m in models for t in (*m.parameters(), *m.buffers())), *stepped]:
+        for source in (t, t.grad):
+            if source is not None:
+                out.update(k for x in plain_tensors(source) if (k := storage_key(x)) is not None)
     return out
 
 
@@ -116,7 +118,7 @@ def measure(held: dict[str, list[Any]], optimizer: torch.optim.Optimizer, models
             device: torch.device, host_categories: frozenset[str] = frozenset()) -> dict[str, int]:
     """Bytes by category of the optimizer's object and of ``held`` (category → objects to walk), each storage once;
     categories on another device type than ``device``, or named in ``host_categories``, get `` (host)``."""
-    skip = excluded_storages(models)
+    skip = excluded_storages(models, optimizer)
     counted: set[tuple[str, int]] = set()
     out: dict[str, int] = {}
 
