@@ -105,3 +105,17 @@ def test_no_subpackage_imports_the_facade_above_it():
 def test_no_optimizer_sets_its_state_through_its_dict():
     for f in (ROOT / "lordo" / "optim").glob("*.py"):
         assert "__dict__" not in f.read_text(), f
+
+
+def private_imports() -> list[tuple[str, str]]:
+    """(module, name) for each ``from <lordo module> import _name``: a name another module keeps to itself."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lordo")):
+                found += [(name, a.name) for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_s_private_name():
+    assert private_imports() == []

@@ -14,7 +14,7 @@ from typing import Any
 from .errors import WriteError
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -42,7 +42,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 @contextlib.contextmanager

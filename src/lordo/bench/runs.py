@@ -16,7 +16,7 @@ from ..config import build_config
 from .timing import machine
 
 
-def _run_child(args: list[str], out: Path) -> dict[str, Any]:
+def run_child(args: list[str], out: Path) -> dict[str, Any]:
     """``lordo train`` in a child process; returns its summary plus the child's peak RSS."""
     cmd = [sys.executable, "-c", "import resource, sys, runpy; sys.argv = ['lordo'] + sys.argv[1:]; "
            "from lordo.cli import main; code = main(); "
@@ -47,7 +47,7 @@ def runs_benchmark(preset: str, steps: int, rank: int, workers: int, batch_size:
                     "--workers", str(workers), "--backend", "sim", "--set", f"train.batch_size={batch_size}",
                     "--set", "train.eval_every=100000", "--set", "train.eval_batches=1", "--set", "train.checkpoint_every=0",
                     "--set", f"schedule.warmup_steps={max(1, steps // 10)}", *extra]
-            summaries[name].append(_run_child(args, out_dir / f"{name}-{rep}"))
+            summaries[name].append(run_child(args, out_dir / f"{name}-{rep}"))
     rows = []
     for name, runs in summaries.items():
         s = runs[0]

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .runs import _run_child
+from .runs import run_child
 from .timing import machine
 
 SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -53,7 +53,7 @@ def throughput_benchmark(preset: str, strategy: str, steps: int, warmup: int, th
                         "--set", "train.checkpoint_every=0", "--set", f"schedule.warmup_steps={max(1, steps // 10)}"]
                 for o in overrides:
                     args += ["--set", o]
-                _run_child(args, out)
+                run_child(args, out)
                 measured[name].append(measured_tokens_per_s(out, warmup))
     reference = statistics.median(measured[cases[0][0]])
     rows = [{"name": name, "tokens_per_s": statistics.median(values), "tokens_per_s_all": values,

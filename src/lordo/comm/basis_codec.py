@@ -28,7 +28,7 @@ import torch
 
 from ..optim.subspace import Side
 from .base import Communicator, TensorLists
-from .codec import COMPRESSIONS, BlockCodec, Codec, _scatter_into, average, dense_codecs, padded_numel, shard_numel
+from .codec import COMPRESSIONS, BlockCodec, Codec, average, dense_codecs, padded_numel, scatter_into, shard_numel
 from .sparse import VALUE_BITS, SparseCodec, average_sparse
 
 FULLRANK = ("dense", "sparse")
@@ -154,5 +154,5 @@ class BasisCodec:
         vector = torch.zeros(comm.world_size * shard, device=shard_loss.device)
         vector[owner * shard:(owner + 1) * shard] = shard_loss * comm.world_size
         spread = [torch.zeros_like(t) for t in lost]
-        _scatter_into(spread, vector, self.dense.block)  # type: ignore[union-attr]
+        scatter_into(spread, vector, self.dense.block)  # type: ignore[union-attr]
         torch._foreach_add_(lost, spread)

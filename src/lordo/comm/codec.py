@@ -176,19 +176,19 @@ def _sharded_average(comm: Communicator, per_worker: TensorLists, tag: str, code
     for tensors, sources in zip(per_worker, gathered):
         if id(sources) not in results:
             results[id(sources)] = decode_shards(sources, shard, codec)
-        _scatter_into(tensors, results[id(sources)], codec.block)
+        scatter_into(tensors, results[id(sources)], codec.block)
 
 
 def shard_payloads(tensors: Sequence[torch.Tensor], world: int, shard: int, codec: BlockCodec,
                    residuals: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """One worker's tensors (plus ``residuals``) laid out flat and cut into ``world`` shards of ``shard``
     elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost."""
-    flat = _gather_padded(tensors, world * shard, codec.block)
+    flat = gather_padded(tensors, world * shard, codec.block)
     if residuals:
-        flat += _gather_padded(residuals, world * shard, codec.block)
+        flat += gather_padded(residuals, world * shard, codec.block)
     encoded = [codec.encode(flat[j * shard:(j + 1) * shard]) for j in range(world)]
     if residuals:  # what the first encoding lost stays with this worker
-        _scatter_into(residuals, flat - decode_shards([[b] for b in encoded], shard, codec), codec.block)
+        scatter_into(residuals, flat - decode_shards([[b] for b in encoded], shard, codec), codec.block)
     return encoded
 
 
@@ -217,7 +217,7 @@ def decode_shards(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: 
     return torch.cat([codec.decode(src[0], shard) for src in sources])
 
 
-def _gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:
+def gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:
     """The tensors as one float32 vector of ``length``, each starting at a block boundary, zeros between."""
     flat = torch.zeros(length, dtype=torch.float32, device=tensors[0].device)
     offset = 0
@@ -227,8 +227,8 @@ def _gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> 
     return flat
 
 
-def _scatter_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> None:
-    """The inverse of :func:`_gather_padded`: copy each tensor's span of ``flat`` into it."""
+def scatter_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> None:
+    """The inverse of :func:`gather_padded`: copy each tensor's span of ``flat`` into it."""
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -24,15 +24,52 @@ landing. The two float32 copies of the model's size become two of the codec's (a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..comm.base import Communicator, RoundHandle
-from ..comm.codec import BlockCodec, _scatter_into, average, decode_shards, exchange_shards, padded_numel, shard_numel, shard_payloads
+from ..comm.codec import BlockCodec, average, decode_shards, exchange_shards, padded_numel, scatter_into, shard_numel, shard_payloads
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from .anchor import Anchor
+    from .base import Worker
+
 Lists = list[list[torch.Tensor]]  # per hosted worker, per tensor
+
+
+class Overlapped(Protocol):
+    """What :func:`start_round` and :func:`land_round` use of a strategy (``LocalUpdateStrategy`` is one): its
+    workers and anchor, the codecs of its payloads, and the parts of its blocking round they run apart."""
+    anchor: Anchor
+    workers: list[Worker]
+    codecs: dict[str, Any]
+    comm: Communicator
+    fold_residuals: bool
+    steps_done: int
+
+    def worker_moments(self, key: str) -> Lists:
+        """Each hosted worker's optimizer moments ``key`` of its averaged parameters (live tensors)."""
+        ...
+
+    def averaged_params(self, worker: int) -> list[torch.Tensor]: ...
+
+    def coded_rounds(self) -> bool:
+        """Whether a round in flight holds the pseudo-gradients as codes."""
+        ...
+
+    def round_residuals(self) -> Lists:
+        """Each worker's compression residuals for the round (buffers, or zeros to fold into the model)."""
+        ...
+
+    def round_input(self) -> Any: ...
+
+    def restore_round_input(self, value: Any) -> None: ...
+
+    def apply_round(self, delta: list[torch.Tensor], own: Lists | None = None) -> dict[str, float]:
+        """The averaged pseudo-gradient arrived: bases, outer step, new replicas (``own``: a late landing's Δ_m)."""
+        ...
 
 
 @dataclass
@@ -62,7 +99,7 @@ class CodedDeltas:
 
     def _tensors(self, sources: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         out = [torch.empty(shape, device=sources[0][0].device) for shape in self.shapes]
-        _scatter_into(out, decode_shards(sources, self.shard, self.codec), self.codec.block)
+        scatter_into(out, decode_shards(sources, self.shard, self.codec), self.codec.block)
         return out
 
     def own(self) -> Lists:
@@ -140,13 +177,13 @@ class RoundInFlight:
 
 
 @torch.no_grad()
-def start_round(s: Any, moment_keys: tuple[str, ...]) -> RoundInFlight:
+def start_round(s: Overlapped, moment_keys: tuple[str, ...]) -> RoundInFlight:
     """Start strategy ``s``'s synchronisation behind the next steps: its exchange handed to the communicator, what
     the landing needs kept (as codes where ``s.coded_rounds()``)."""
     own = [s.anchor.own(w.tensors) for w in s.workers]
     moments = {}
     for key in moment_keys:
-        live = s._moments(key)
+        live = s.worker_moments(key)
         if live[0]:
             moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
     codecs, fold = s.codecs, s.fold_residuals
@@ -155,7 +192,7 @@ def start_round(s: Any, moment_keys: tuple[str, ...]) -> RoundInFlight:
         coded: CodedDeltas | None = CodedDeltas.encode(own, codecs["pseudo_gradient"], s.comm.world_size)
         own, mean, residuals = [], [], []
     else:
-        coded, mean, residuals = None, [[d.clone() for d in mine] for mine in own], s._round_residuals()
+        coded, mean, residuals = None, [[d.clone() for d in mine] for mine in own], s.round_residuals()
 
     def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order
         for key, (_, means) in moments.items():
@@ -175,19 +212,19 @@ def start_round(s: Any, moment_keys: tuple[str, ...]) -> RoundInFlight:
 
 
 @torch.no_grad()
-def land_round(s: Any, r: RoundInFlight) -> dict[str, float]:
+def land_round(s: Overlapped, r: RoundInFlight) -> dict[str, float]:
     """Apply round ``r`` to strategy ``s``, merged with the local steps taken since it started."""
     r.wait()
     delay = s.steps_done - r.sent_at
     for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
-        beta, moments = (0 if key == "exp_avg" else 1), s._moments(key)
+        beta, moments = (0 if key == "exp_avg" else 1), s.worker_moments(key)
         for i, w in enumerate(s.workers):
             betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
             for p, at_send, m, live in zip(s.averaged_params(i), sent[i], means[i], moments[i]):
                 live.add_(m - at_send, alpha=betas[id(p)] ** delay)
     captured_now = s.round_input()  # this step's, for the round it starts (τ = K): kept aside
     s.restore_round_input(r.basis_input)
-    stats = s._apply_round(r.mean_delta(), r.own_deltas() if delay else None)
+    stats = s.apply_round(r.mean_delta(), r.own_deltas() if delay else None)
     s.restore_round_input(captured_now)
     stats["sync_delay_steps"] = float(delay)
     return stats

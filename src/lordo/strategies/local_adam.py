@@ -176,7 +176,7 @@ class LocalUpdateStrategy(Strategy):
             return
         for key, period in self.moment_periods.items():
             if (self.steps_done % period == 0) if period else sync_due:
-                moments = self._moments(key)
+                moments = self.worker_moments(key)
                 if moments[0]:
                     # compressed moments need no error feedback: they are running averages, not sums to deliver
                     average(self.comm, moments, key, self.codecs[key])
@@ -213,7 +213,7 @@ class LocalUpdateStrategy(Strategy):
         assert r is not None
         return land_round(self, r)
 
-    def _moments(self, key: str) -> list[list[torch.Tensor]]:
+    def worker_moments(self, key: str) -> list[list[torch.Tensor]]:
         """Each hosted worker's moments ``key`` of its averaged parameters (their shards, if sharded)."""
         # (an optimizer without that moment, as the Muon form without v, gives none)
         return [[local(s[key]) for p in self.averaged_params(i) if key in (s := w.optimizer.state[p])]
@@ -246,15 +246,15 @@ class LocalUpdateStrategy(Strategy):
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
-        residuals = self._round_residuals()
+        residuals = self.round_residuals()
         average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], residuals, shard_residuals)
-        stats = self._apply_round(pseudo[0])
+        stats = self.apply_round(pseudo[0])
         if self.fold_residuals and not final:  # each worker starts the next round at θ_new − e: its next Δ carries e
             for w, lost in zip(self.workers, residuals, strict=True):
                 torch._foreach_sub_(w.tensors, lost)
         return stats
 
-    def _round_residuals(self) -> list[list[torch.Tensor]]:
+    def round_residuals(self) -> list[list[torch.Tensor]]:
         """Each worker's compression residuals for this round: its buffers, or zeros that the round fills with what
         it loses and that are folded into the model after it (``compression_residual = "model"``)."""
         if self.fold_residuals:
@@ -262,7 +262,7 @@ class LocalUpdateStrategy(Strategy):
         return [w.residuals for w in self.workers]
 
     @torch.no_grad()
-    def _apply_round(self, delta: list[torch.Tensor], own: list[list[torch.Tensor]] | None = None) -> dict[str, float]:
+    def apply_round(self, delta: list[torch.Tensor], own: list[list[torch.Tensor]] | None = None) -> dict[str, float]:
         """The averaged pseudo-gradient ``delta`` arrived: bases (``after_average``), outer step, new replicas.
         ``own``: each worker's pseudo-gradient of a round that landed late; the workers then keep their local
         steps since (θ_m += θ_new − θ_anchor + Δ_m) instead of restarting from θ_new."""
@@ -357,7 +357,7 @@ class LocalUpdateStrategy(Strategy):
         if outer:
             out["outer_optimizer"] = outer
         if self.sync_delay:  # held while a round is in flight: the pseudo-gradient sent and its mean, moments too
-            moments = [t for key in MOMENTS for t in self._moments(key)[0]] if self.average != "none" else []
+            moments = [t for key in MOMENTS for t in self.worker_moments(key)[0]] if self.average != "none" else []
             deltas = 2 * tensor_bytes(self.workers[0].tensors)
             if self.coded_rounds():  # as codes: one payload per shard sent, one per shard received
                 codec, world = self.codecs["pseudo_gradient"], self.comm.world_size

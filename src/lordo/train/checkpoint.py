@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import LordoError
-from ..files import _fsync_dir, atomic_write
+from ..files import fsync_dir, atomic_write
 from ..optim.sharded import is_sharded, local
 
 FORMAT = 2  # 2: the outer optimizer's state_dict replaces the outer momentum list (1 still loads)
@@ -192,7 +192,7 @@ class Checkpointer:
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune()
 
     def _prune(self) -> None:
