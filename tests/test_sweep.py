@@ -222,3 +222,50 @@ def test_plot_styles_give_each_strategy_a_colour_and_each_of_its_points_a_look_o
         by_strategy.setdefault(s, set()).add(tuple(got[label]["color"]))
     assert all(len(c) == 1 for c in by_strategy.values())  # one colour per strategy
     assert len({next(iter(c)) for c in by_strategy.values()}) == len(by_strategy)  # a different one each
+
+
+def test_report_gives_each_configuration_at_its_best_rate(tmp_path):
+    """Hand-made runs: lordo at three rates (two seeds at the middle one), ddp at two; the table picks the rate
+    of lowest mean perplexity, divides by the best ddp point's, and says when the best is at the grid's edge."""
+    from lordo.experiments.report import write_report
+
+    ppl = {("ddp", 0.003): [30.0, 32.0], ("ddp", 0.006): [35.0], ("lordo", 0.0015): [50.0],
+           ("lordo", 0.003): [36.0, 38.0], ("lordo", 0.006): [38.5], ("local-adam", 0.003): [40.0],
+           ("local-adam", 0.006): [44.0]}
+    wire = {"ddp": 20000, "lordo": 1000, "local-adam": 500}
+    state = {"ddp": 8000, "lordo": 4000, "local-adam": 12000}
+    points = []
+    for (name, lr), values in ppl.items():
+        for seed, value in enumerate(values):
+            folder = tmp_path / f"name-{name}__lr-{lr}__seed-{seed}"
+            folder.mkdir()
+            summary = {"val_ppl": value, "val_loss": 3.6, "steps": 10, "comm_bytes_per_step": 1.0, "params": 1000,
+                       "strategy": name,
+                       "comm_wire_bytes_total": wire[name], "ddp_comm_wire_bytes": 20000, "comm_bytes_total": 1,
+                       "optimizer_state_bytes": {"moments": state[name]}}
+            (folder / "summary.json").write_text(json.dumps(summary))
+            points.append({"name": folder.name, "dir": str(folder), "status": "done",
+                           "values": {"strategy.name": name, "optim.lr": lr, "train.seed": seed}})
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    table = write_report(tmp_path).read_text().split("## Each configuration at its best learning rate")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| name=")]
+    assert rows == [
+        "| name=ddp | 0.003 (0.003, 0.006; lowest tried) | 2 | 31.00 ± 1.41 | 1.000 | 1.0000 | 1.00 |",
+        "| name=lordo | 0.003 (0.0015, 0.003, 0.006) | 2 | 37.00 ± 1.41 | 1.194 | 0.0500 | 0.50 |",
+        "| name=local-adam | 0.003 (0.003, 0.006; lowest tried) | 1 | 40.00 | 1.290 | 0.0250 | 1.50 |",
+    ]
+
+
+def test_report_without_rates_to_choose_from_has_no_best_rate_table(tmp_path):
+    from lordo.experiments.report import write_report
+
+    for name in ("ddp", "lordo"):
+        folder = tmp_path / name
+        folder.mkdir()
+        summary = {"val_ppl": 40.0, "val_loss": 3.7, "steps": 10, "comm_bytes_per_step": 1.0, "params": 1000,
+                   "comm_wire_bytes_total": 1000, "ddp_comm_wire_bytes": 20000, "comm_bytes_total": 1,
+                   "optimizer_state_bytes": {"moments": 800}}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": [
+        {"name": n, "dir": str(tmp_path / n), "status": "done", "values": {"strategy.name": n}} for n in ("ddp", "lordo")]}))
+    assert "best learning rate" not in write_report(tmp_path).read_text()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import LordoError
-from ..files import fsync_dir, atomic_write
+from ..files import atomic_write, fsync_dir
 from ..optim.sharded import is_sharded, local
 
 FORMAT = 2  # 2: the outer optimizer's state_dict replaces the outer momentum list (1 still loads)
