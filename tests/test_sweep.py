@@ -269,3 +269,58 @@ def test_report_without_rates_to_choose_from_has_no_best_rate_table(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps({"points": [
         {"name": n, "dir": str(tmp_path / n), "status": "done", "values": {"strategy.name": n}} for n in ("ddp", "lordo")]}))
     assert "best learning rate" not in write_report(tmp_path).read_text()
+
+
+def _hand_made_run(root, name, values, ppl, config):
+    folder = root / name
+    folder.mkdir(parents=True)
+    summary = {"val_ppl": ppl, "val_loss": 3.6, "steps": 10, "comm_bytes_per_step": 1.0, "params": 1000,
+               "strategy": config["strategy"]["name"],
+               "comm_wire_bytes_total": 20000 if config["strategy"]["name"] == "ddp" else 1000,
+               "ddp_comm_wire_bytes": 20000, "comm_bytes_total": 1, "optimizer_state_bytes": {"moments": 8000}}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "config.json").write_text(json.dumps(config))
+    return {"name": name, "dir": str(folder), "status": "done", "values": values}
+
+
+def test_a_pooled_report_names_each_configuration_by_what_differs_between_the_folders(tmp_path):
+    """Two folders: one sweeps lordo's rate, the other runs ddp and lordo with Muon inside (set in its base, so not
+    among its swept values). Pooled, each configuration is told apart by the settings that differ (read from
+    config.json), named with its folder, and divided by the best ddp point of all; a folder whose runs trained
+    another model is refused, naming the setting."""
+    from lordo.errors import LordoError
+    from lordo.experiments.report import write_pooled
+
+    def config(name, lr, inner="auto", d_model=128):
+        return {"model": {"d_model": d_model}, "train": {"steps": 10, "precision": "fp32"},
+                "strategy": {"name": name}, "optim": {"lr": lr, "inner": inner}}
+
+    rates = tmp_path / "rates"
+    points = [_hand_made_run(rates, f"lr-{lr}", {"optim.lr": lr}, ppl, config("lordo", lr))
+              for lr, ppl in ((0.001, 50.0), (0.003, 44.0))]
+    (rates / "sweep.json").write_text(json.dumps({"points": points}))
+    muon = tmp_path / "muon"
+    points = [_hand_made_run(muon, f"name-{n}", {"strategy.name": n}, ppl, config(n, 0.01, "muon"))
+              for n, ppl in (("ddp", 40.0), ("lordo", 46.0))]
+    (muon / "sweep.json").write_text(json.dumps({"points": points}))
+    text = write_pooled([rates, muon], tmp_path / "pooled.md").read_text()
+    rows = [line for line in text.split("best learning rate")[1].splitlines() if line.startswith(("| muon", "| rates"))]
+    assert rows == [
+        "| muon: name=ddp, inner=muon | 0.01 (0.01) | 1 | 40.00 | 1.000 | 1.0000 | 1.00 |",
+        "| rates: name=lordo, inner=auto | 0.003 (0.001, 0.003; highest tried) | 1 | 44.00 | 1.100 | 0.0500 | 1.00 |",
+        "| muon: name=lordo, inner=muon | 0.01 (0.01) | 1 | 46.00 | 1.150 | 0.0500 | 1.00 |",
+    ]
+    assert "| rates: lr=0.001 | 1 | 50.00 | 1.250 |" in text  # the points' table names the folder too
+    other = tmp_path / "wide"
+    points = [_hand_made_run(other, "name-ddp", {"strategy.name": "ddp"}, 30.0, config("ddp", 0.003, d_model=256))]
+    (other / "sweep.json").write_text(json.dumps({"points": points}))
+    with pytest.raises(LordoError, match=r"the runs differ in model.d_model \(128: rates/lr-0.001 and 3 more; 256: wide/name-ddp\)"):
+        write_pooled([rates, muon, other], tmp_path / "refused.md")
+    assert not (tmp_path / "refused.md").exists()
+
+
+def test_report_of_several_folders_needs_a_file_to_write(tmp_path, capsys):
+    from lordo.cli import main
+
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "name the file of their pooled report with --out FILE.md" in capsys.readouterr().err

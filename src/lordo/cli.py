@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .errors import LordoError, Stopped
+from .errors import ConfigError, LordoError, Stopped
 from .files import read_json
 
 
@@ -153,9 +153,14 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .experiments.report import write_report
+    from .experiments.report import write_pooled, write_report
 
-    print(f"wrote {write_report(args.dir)}")
+    if args.out is None and len(args.dirs) > 1:
+        raise ConfigError(f"lordo report was given {len(args.dirs)} folders: name the file of their pooled report "
+                          "with --out FILE.md")
+    if args.out is not None and Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a folder: give the markdown file to write")
+    print(f"wrote {write_report(args.dirs[0]) if args.out is None else write_pooled(args.dirs, args.out)}")
     return 0
 
 
@@ -286,9 +291,13 @@ def make_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser(
         "report",
         help="markdown table (mean ± std over seeds) and PNG plots of a sweep's or a folder's runs",
-        description="Write DIR/report.md and DIR/plots/*.png from every DIR/<run>/summary.json and metrics.jsonl.",
+        description="Write DIR/report.md and DIR/plots/*.png from every DIR/<run>/summary.json and metrics.jsonl; "
+                    "with --out, the tables of the runs of one or several folders pooled (points named with their "
+                    "folder, each configuration at its best rate, all against the best ddp point) into one file.",
     )
-    rp.add_argument("dir", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
+    rp.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
+    rp.add_argument("--out", metavar="FILE.md", help="write the pooled tables of every DIR here instead (no plots); "
+                    "the runs must share model, vocabulary, steps, batch size and workers")
     rp.set_defaults(func=_report)
 
     pl = sub.add_parser(

@@ -73,24 +73,56 @@ def _mean_ppl(members: list[dict[str, Any]]) -> float:
     return statistics.mean(m["summary"]["val_ppl"] for m in members)
 
 
-def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None) -> list[str]:
+def _rate(run: dict[str, Any]) -> Any:
+    """The run's learning rate: its point's, or its config.json's where the sweep did not vary it."""
+    return run["values"].get("optim.lr", run["config"].get("optim", {}).get("lr"))
+
+
+def _unvaried(runs: list[dict[str, Any]]) -> frozenset[str]:
+    """The swept keys whose value is the same in every one of ``runs``."""
+    return frozenset(k for k in runs[0]["values"] if len({json.dumps(r["values"].get(k)) for r in runs}) == 1)
+
+
+LABELLED = ("strategy", "optim", "schedule")  # sections whose settings tell pooled configurations apart
+
+
+def _pooled_labels(runs: list[dict[str, Any]]) -> dict[int, str]:
+    """id(run) → its configuration among runs of several folders: the settings of ``LABELLED`` (and the precision)
+    whose values differ between the runs, read from each run's config.json (a setting an older run's file lacks
+    reads as today's default), the seed and learning rate aside."""
+    from ..config import build_config
+
+    defaults = build_config().to_dict()
+
+    def setting(run: dict[str, Any], section: str, key: str) -> Any:
+        return run["config"].get(section, {}).get(key, defaults[section].get(key))
+
+    keys = [(section, key) for section in LABELLED for key in defaults[section]] + [("train", "precision")]
+    varied = [(sec, key) for sec, key in keys if (sec, key) != ("optim", "lr")
+              and len({json.dumps(setting(r, sec, key)) for r in runs}) > 1]
+    return {id(r): ", ".join(f"{key}={setting(r, sec, key)}" for sec, key in varied) or "(every run)" for r in runs}
+
+
+def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None, pooled: bool = False) -> list[str]:
     """A table of each configuration at its best learning rate (lowest mean perplexity over its seeds), with
-    what it costs against ``ddp`` and AdamW; empty unless the folder varies ``optim.lr``."""
-    if len({m["values"].get("optim.lr") for members in groups.values() for m in members}) < 2:
-        return []
+    what it costs against ``ddp`` and AdamW; empty unless the runs vary ``optim.lr``. ``pooled``: runs of several
+    folders, each configuration named with its folder."""
     runs = [m for members in groups.values() for m in members]
-    same = frozenset(k for k in runs[0]["values"] if len({json.dumps(r["values"].get(k)) for r in runs}) == 1)
+    if len({_rate(m) for m in runs}) < 2:
+        return []
+    labels = _pooled_labels(runs) if pooled else {id(r): configuration(r, _unvaried(runs)) for r in runs}
     by_config: dict[str, list[list[dict[str, Any]]]] = {}
     for members in groups.values():
-        by_config.setdefault(configuration(members[0], same), []).append(members)
+        label = labels[id(members[0])]
+        by_config.setdefault(f"{members[0]['folder']}: {label}" if pooled else label, []).append(members)
     rows = []
     for config, points in by_config.items():
         best = min(points, key=_mean_ppl)
         s = [m["summary"] for m in best]
         ratios = [w / d for w, d in map(wire_totals, s) if d]
         state = sum(s[0]["optimizer_state_bytes"].values())
-        tried = sorted(p[0]["values"]["optim.lr"] for p in points if "optim.lr" in p[0]["values"])
-        rate = best[0]["values"].get("optim.lr", "–")
+        tried = sorted(r for r in {_rate(p[0]) for p in points} if r is not None)
+        rate = _rate(best[0])
         cells = [config, f"{rate} ({', '.join(map(str, tried))}{_edge(rate, tried)})", str(len(best)),
                  mean_std([x["val_ppl"] for x in s])]
         cells += [f"{_mean_ppl(best) / reference:.3f}"] if reference else []
@@ -105,23 +137,16 @@ def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None
             "|---|---|---|---|" + ("---|" if reference else "") + "---|---|"] + [row for _, row in sorted(rows)]
 
 
-def write_report(root: str | Path) -> Path:
-    root = Path(root)
-    runs = read_runs(root)
-    if not runs:
-        raise LordoError(f"no finished runs (*/summary.json) under {root}")
+def _groups(runs: list[dict[str, Any]], pooled: bool) -> dict[str, list[dict[str, Any]]]:
+    """Runs by point (seeds together); pooled from several folders, each point named with its folder."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
-        groups.setdefault(group_key(run), []).append(run)
+        groups.setdefault(f"{run['folder']}: {group_key(run)}" if pooled else group_key(run), []).append(run)
+    return groups
 
-    tasks = sorted({t for run in runs for t in run["eval"]})  # downstream scores, where lordo eval wrote them
-    reference = _ddp_ppl(groups)  # the best ddp point's perplexity, where the folder has one
+
+def _points_table(groups: dict[str, list[dict[str, Any]]], reference: float | None, tasks: list[str]) -> list[str]:
     lines = [
-        f"# Report: {root.name}",
-        "",
-        f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `lordo report {root}`."
-        + (f" ppl × ddp: against the best `ddp` point's mean ({reference:.2f})." if reference else ""),
-        "",
         "| point | seeds | val ppl |" + (" ppl × ddp |" if reference else "") + " val loss | bytes sent / step (payload) "
         "| × ddp | modelled comm s @ 1 / 10 Gbit/s | optimizer state (bytes) | × AdamW | basis overlap |"
         + "".join(f" {t} |" for t in tasks),
@@ -141,7 +166,24 @@ def write_report(root: str | Path) -> Path:
             f"| {state:,} | {_adamw_ratio(s[0], state)} | {mean_std([x.get('basis_overlap_mean') for x in s], 4)} |"
             + "".join(f" {_task_score(members, t)} |" for t in tasks)
         )
-    lines += _best_rates(groups, reference)
+    return lines
+
+
+def _tables(runs: list[dict[str, Any]], pooled: bool, command: str) -> list[str]:
+    groups = _groups(runs, pooled)
+    tasks = sorted({t for run in runs for t in run["eval"]})  # downstream scores, where lordo eval wrote them
+    reference = _ddp_ppl(groups)  # the best ddp point's perplexity, where there is one
+    intro = (f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `{command}`."
+             + (f" ppl × ddp: against the best `ddp` point's mean ({reference:.2f})." if reference else ""))
+    return ["", intro, "", *_points_table(groups, reference, tasks), *_best_rates(groups, reference, pooled)]
+
+
+def write_report(root: str | Path) -> Path:
+    root = Path(root)
+    runs = read_runs(root)
+    if not runs:
+        raise LordoError(f"no finished runs (*/summary.json) under {root}")
+    lines = [f"# Report: {root.name}", *_tables(runs, False, f"lordo report {root}")]
     from .plots import write_plots
 
     plots = write_plots(root, runs)
@@ -151,3 +193,41 @@ def write_report(root: str | Path) -> Path:
     return out
 
 
+# what runs pooled into one table must share: a perplexity or a byte count means nothing beside another setting's
+LIKE_FOR_LIKE = ("model.d_model", "model.n_layers", "model.seq_len", "data.vocab_size", "train.steps",
+                 "train.batch_size", "dist.workers")
+
+
+def _setting(run: dict[str, Any], key: str) -> Any:
+    section, name = key.split(".")
+    return run["config"].get(section, {}).get(name)
+
+
+def write_pooled(roots: list[Path] | list[str], out: str | Path) -> Path:
+    """One report (tables, no plots) of the runs of several folders, at ``out``: each point named with its folder,
+    the best rate of each configuration, all against the best ``ddp`` point among them. The folders' runs must
+    share the model, vocabulary, steps, batch and workers (LIKE_FOR_LIKE): an error names the setting that differs."""
+    folders = [Path(r) for r in roots]
+    names = [r.name for r in folders]
+    if len(set(names)) < len(names):
+        raise LordoError(f"two of the folders have the same name ({', '.join(names)}): their points could not be told apart")
+    runs = []
+    for root in folders:
+        found = read_runs(root)
+        if not found:
+            raise LordoError(f"no finished runs (*/summary.json) under {root}")
+        runs += found
+    for key in LIKE_FOR_LIKE:
+        seen: dict[str, list[str]] = {}
+        for run in runs:
+            seen.setdefault(json.dumps(_setting(run, key)), []).append(f"{run['folder']}/{run['name']}")
+        if len(seen) > 1:
+            listed = "; ".join(f"{value}: {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
+                               for value, where in seen.items())
+            raise LordoError(f"the runs differ in {key} ({listed}): pool only runs of one setting, whose perplexities "
+                             "and bytes compare")
+    command = "lordo report " + " ".join(str(r) for r in folders) + f" --out {out}"
+    lines = ["# Report: " + ", ".join(names), *_tables(runs, True, command), ""]
+    out = Path(out)
+    atomic_write(out, "\n".join(lines).encode())
+    return out

@@ -31,6 +31,8 @@ def read_runs(root: Path) -> list[dict[str, Any]]:
         runs.append(
             {
                 "name": folder.name,
+                "folder": root.name,
+                "config": read_json(folder / "config.json") or {},
                 "values": values_by_dir.get(folder.name, {}),
                 "summary": summary,
                 "metrics": read_jsonl(metrics) if metrics.exists() else [],
