@@ -30,6 +30,7 @@ LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 
 LEAN4 = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int4"', 'strategy.moments_dtype="int8"')
 MUON = ('optim.inner="muon"', 'optim.muon_ns_dtype="float32"')
 STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ddp + Muon", ('strategy.name="ddp"', *MUON)),
     ("local-adam", ('strategy.name="local-adam"',)),
     ("local-adam, lean (int8 anchor)", ('strategy.name="local-adam"', 'strategy.memory="lean"')),
     ("local-adam + Muon", ('strategy.name="local-adam"', *MUON)),
