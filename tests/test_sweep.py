@@ -317,6 +317,9 @@ def test_a_pooled_report_names_each_configuration_by_what_differs_between_the_fo
     with pytest.raises(LordoError, match=r"the runs differ in model.d_model \(128: rates/lr-0.001 and 3 more; 256: wide/name-ddp\)"):
         write_pooled([rates, muon, other], tmp_path / "refused.md")
     assert not (tmp_path / "refused.md").exists()
+    (muon / "name-lordo" / "config.json").unlink()
+    with pytest.raises(LordoError, match="muon/name-lordo has no readable config.json: its settings cannot be compared"):
+        write_pooled([rates, muon], tmp_path / "refused.md")
 
 
 def test_report_of_several_folders_needs_a_file_to_write(tmp_path, capsys):

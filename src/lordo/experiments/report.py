@@ -217,6 +217,11 @@ def write_pooled(roots: list[Path] | list[str], out: str | Path) -> Path:
         if not found:
             raise LordoError(f"no finished runs (*/summary.json) under {root}")
         runs += found
+    unknown = [f"{run['folder']}/{run['name']}" for run in runs if not run["config"]]
+    if unknown:
+        raise LordoError(f"{unknown[0]} has no readable config.json"
+                         + (f" (nor {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+                         + ": its settings cannot be compared with the other runs'")
     for key in LIKE_FOR_LIKE:
         seen: dict[str, list[str]] = {}
         for run in runs:
