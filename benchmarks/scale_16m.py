@@ -33,6 +33,7 @@ PROBE_STEPS = 200
 # name -> (micro's best rate, overrides): docs/results.md sections 2, 11 and 13
 CONFIGS = {
     "ddp": (3e-3, ['strategy.name="ddp"']),
+    "ddp-muon": (3e-3, ['strategy.name="ddp"', 'optim.inner="muon"']),
     "lowrank-ddp": (3e-3, ['strategy.name="lowrank-ddp"']),
     "local-adam": (3e-3, ['strategy.name="local-adam"']),
     "local-adam-muon": (1e-2, ['strategy.name="local-adam"', 'optim.inner="muon"']),
