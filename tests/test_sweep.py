@@ -283,11 +283,11 @@ def _hand_made_run(root, name, values, ppl, config):
     return {"name": name, "dir": str(folder), "status": "done", "values": values}
 
 
-def test_a_pooled_report_names_each_configuration_by_what_differs_between_the_folders(tmp_path):
+def test_a_pooled_report_names_each_configuration_with_its_folder(tmp_path):
     """Two folders: one sweeps lordo's rate, the other runs ddp and lordo with Muon inside (set in its base, so not
-    among its swept values). Pooled, each configuration is told apart by the settings that differ (read from
-    config.json), named with its folder, and divided by the best ddp point of all; a folder whose runs trained
-    another model is refused, naming the setting."""
+    among its swept values). Pooled, each configuration is named with its folder and what that folder varied (the
+    strategy where it varied nothing but the rate), and divided by the best ddp point of all; a folder whose runs
+    trained another model is refused, naming the setting, and so is a run without a config.json."""
     from lordo.errors import LordoError
     from lordo.experiments.report import write_pooled
 
@@ -306,9 +306,9 @@ def test_a_pooled_report_names_each_configuration_by_what_differs_between_the_fo
     text = write_pooled([rates, muon], tmp_path / "pooled.md").read_text()
     rows = [line for line in text.split("best learning rate")[1].splitlines() if line.startswith(("| muon", "| rates"))]
     assert rows == [
-        "| muon: name=ddp, inner=muon | 0.01 (0.01) | 1 | 40.00 | 1.000 | 1.0000 | 1.00 |",
-        "| rates: name=lordo, inner=auto | 0.003 (0.001, 0.003; highest tried) | 1 | 44.00 | 1.100 | 0.0500 | 1.00 |",
-        "| muon: name=lordo, inner=muon | 0.01 (0.01) | 1 | 46.00 | 1.150 | 0.0500 | 1.00 |",
+        "| muon: name=ddp | 0.01 (0.01) | 1 | 40.00 | 1.000 | 1.0000 | 1.00 |",
+        "| rates: name=lordo | 0.003 (0.001, 0.003; highest tried) | 1 | 44.00 | 1.100 | 0.0500 | 1.00 |",
+        "| muon: name=lordo | 0.01 (0.01) | 1 | 46.00 | 1.150 | 0.0500 | 1.00 |",
     ]
     assert "| rates: lr=0.001 | 1 | 50.00 | 1.250 |" in text  # the points' table names the folder too
     other = tmp_path / "wide"

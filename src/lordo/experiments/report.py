@@ -59,7 +59,8 @@ def configuration(run: dict[str, Any], same: frozenset[str] = frozenset()) -> st
     probes of one configuration share."""
     parts = [f"{k.split('.')[-1]}={v}" for k, v in run["values"].items()
              if k not in ("train.seed", "optim.lr") and k not in same]
-    return ", ".join(parts) or "(every run)"
+    strategy = run["summary"].get("strategy")
+    return ", ".join(parts) or (f"name={strategy}" if strategy else "(every run)")
 
 
 def _edge(best: Any, tried: list[Any]) -> str:
@@ -83,26 +84,6 @@ def _unvaried(runs: list[dict[str, Any]]) -> frozenset[str]:
     return frozenset(k for k in runs[0]["values"] if len({json.dumps(r["values"].get(k)) for r in runs}) == 1)
 
 
-LABELLED = ("strategy", "optim", "schedule")  # sections whose settings tell pooled configurations apart
-
-
-def _pooled_labels(runs: list[dict[str, Any]]) -> dict[int, str]:
-    """id(run) → its configuration among runs of several folders: the settings of ``LABELLED`` (and the precision)
-    whose values differ between the runs, read from each run's config.json (a setting an older run's file lacks
-    reads as today's default), the seed and learning rate aside."""
-    from ..config import build_config
-
-    defaults = build_config().to_dict()
-
-    def setting(run: dict[str, Any], section: str, key: str) -> Any:
-        return run["config"].get(section, {}).get(key, defaults[section].get(key))
-
-    keys = [(section, key) for section in LABELLED for key in defaults[section]] + [("train", "precision")]
-    varied = [(sec, key) for sec, key in keys if (sec, key) != ("optim", "lr")
-              and len({json.dumps(setting(r, sec, key)) for r in runs}) > 1]
-    return {id(r): ", ".join(f"{key}={setting(r, sec, key)}" for sec, key in varied) or "(every run)" for r in runs}
-
-
 def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None, pooled: bool = False) -> list[str]:
     """A table of each configuration at its best learning rate (lowest mean perplexity over its seeds), with
     what it costs against ``ddp`` and AdamW; empty unless the runs vary ``optim.lr``. ``pooled``: runs of several
@@ -110,10 +91,13 @@ def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None
     runs = [m for members in groups.values() for m in members]
     if len({_rate(m) for m in runs}) < 2:
         return []
-    labels = _pooled_labels(runs) if pooled else {id(r): configuration(r, _unvaried(runs)) for r in runs}
+    # a configuration is named by what its folder's sweep varied (config.json files of different versions of lordo
+    # record different settings, and defaults have changed: they cannot tell configurations of two folders apart)
+    folders = {r["folder"] for r in runs}
+    same = {f: _unvaried([r for r in runs if r["folder"] == f]) for f in folders}
     by_config: dict[str, list[list[dict[str, Any]]]] = {}
     for members in groups.values():
-        label = labels[id(members[0])]
+        label = configuration(members[0], same[members[0]["folder"]])
         by_config.setdefault(f"{members[0]['folder']}: {label}" if pooled else label, []).append(members)
     rows = []
     for config, points in by_config.items():
@@ -204,8 +188,9 @@ def _setting(run: dict[str, Any], key: str) -> Any:
 
 
 def write_pooled(roots: list[Path] | list[str], out: str | Path) -> Path:
-    """One report (tables, no plots) of the runs of several folders, at ``out``: each point named with its folder,
-    the best rate of each configuration, all against the best ``ddp`` point among them. The folders' runs must
+    """One report (tables, no plots) of the runs of several folders, at ``out``: each point named with its folder
+    and what that folder's sweep varied (seeds are averaged within a folder, not across folders), the best rate of
+    each configuration, all against the best ``ddp`` point among them. The folders' runs must
     share the model, vocabulary, steps, batch and workers (LIKE_FOR_LIKE): an error names the setting that differs."""
     folders = [Path(r) for r in roots]
     names = [r.name for r in folders]
