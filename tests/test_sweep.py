@@ -327,3 +327,36 @@ def test_report_of_several_folders_needs_a_file_to_write(tmp_path, capsys):
 
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "name the file of their pooled report with --out FILE.md" in capsys.readouterr().err
+
+
+def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp_path, capsys):
+    """Five points made by hand: finished, held by a live run (this process holds its lock), failed, stopped with
+    a checkpoint, not begun. --status names each state and the step, and writes nothing into the folders."""
+    from lordo.cli import main
+    from lordo.train.lock import OutputLock
+
+    f = write(tmp_path, '[sweep]\nname = "st"\n[base.train]\nsteps = 40\n[grid]\n"train.seed" = [0, 1, 2, 3, 4]\n')
+    out = tmp_path / "out"
+    folders = [out / f"seed-{s}" for s in range(5)]
+    for folder in folders[:4]:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"train": {"steps": 40}}))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20, 30)))
+    (folders[0] / "summary.json").write_text(json.dumps({"val_ppl": 41.234}))
+    (folders[2] / "failed.json").write_text(json.dumps({"returncode": 3, "stderr": "boom"}))
+    (folders[3] / "checkpoints" / "step-00000020").mkdir(parents=True)
+    (folders[3] / "checkpoints" / "step-00000030.partial").mkdir()  # a save cut short is not a checkpoint
+    before = sorted(str(p) for p in out.rglob("*"))
+    with OutputLock(folders[1]):
+        assert main(["sweep", str(f), "--out", str(out), "--status"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["[1/5]", "done", "seed-0", "val", "ppl", "41.23"]
+    assert lines[1].split()[:7] == ["[2/5]", "running", "seed-1", "step", "30", "of", "40"]
+    assert lines[2].split() == ["[3/5]", "failed", "seed-2", "exit", "3", "(failed.json)"]
+    assert " ".join(lines[3].split()) == "[4/5] stopped seed-3 step 30 of 40; resumes from its checkpoint at step 20"
+    assert lines[4].split() == ["[5/5]", "queued", "seed-4"]
+    assert lines[5] == f"sweep st ({out}): 1 done, 1 running, 1 stopped, 1 failed, 1 queued"
+    assert sorted(str(p) for p in out.rglob("*")) == sorted([*before, str(folders[1] / ".lock")])  # the lock held here
+    # the run ended (its lock file stays, nobody holds it): stopped, resuming from the start (no checkpoint)
+    assert main(["sweep", str(f), "--out", str(out), "--status"]) == 0
+    assert " ".join(capsys.readouterr().out.splitlines()[1].split()) == "[2/5] stopped seed-1 step 30 of 40; resumes from the start"

@@ -136,11 +136,26 @@ def _print_summary(s: dict, out: Path) -> None:
     print("\n".join(lines))
 
 
+def _sweep_status(sweep) -> int:
+    """Print where each point of ``sweep`` stands (lordo sweep --status) and the counts; runs nothing."""
+    from .experiments.sweep import sweep_status
+
+    rows = sweep_status(sweep)
+    width, index = max(len(name) for name, _, _ in rows), len(f"[{len(rows)}/{len(rows)}]")
+    for i, (name, status, detail) in enumerate(rows, 1):
+        print(f"{f'[{i}/{len(rows)}]':<{index}} {status:<8} {name:<{width}}  {detail}".rstrip())
+    counts = {s: sum(1 for _, status, _ in rows if status == s) for s in ("done", "running", "stopped", "failed", "queued")}
+    print(f"sweep {sweep.name} ({sweep.out}): " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    return 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from .experiments.sweep import load_sweep, run_sweep
 
     sweep = load_sweep(args.file, args.out)
     points = sweep.points()
+    if args.status:
+        return _sweep_status(sweep)
     if args.dry_run:
         for p in points:
             print(f"{sweep.out / p.name}: {' '.join(p.overrides) or '(base)'}")
@@ -283,6 +298,9 @@ def make_parser() -> argparse.ArgumentParser:
     sw.add_argument("file", metavar="FILE.toml", help="the sweep file")
     sw.add_argument("--out", metavar="DIR", help="results folder (default: results/<sweep name>)")
     sw.add_argument("--dry-run", action="store_true", help="list the points and their settings, run nothing")
+    sw.add_argument("--status", action="store_true",
+                    help="print where each point stands (done with its perplexity, running at its step, stopped and "
+                         "where it resumes, failed, queued), run nothing")
     sw.add_argument("--jobs", type=int, default=1, metavar="N",
                     help="points run at once, each its own process (default 1); with N > 1 set train.threads so "
                          "that N x threads fits the cores")

@@ -50,7 +50,7 @@ from typing import Any
 
 from ..config import build_config, load_toml, tomllib
 from ..errors import ConfigError, Stopped
-from ..files import read_json, write_json
+from ..files import read_json, read_jsonl, write_json
 from ..launch import die_with_parent
 
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a training run that saved a checkpoint and stopped
@@ -219,3 +219,34 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
                       f"start; continue with the same command (finished points are skipped, stopped ones resume)",
                       128 + stopped[0])
     return index
+
+
+def point_status(folder: Path) -> tuple[str, str]:
+    """(status, detail) of one point's folder, read without touching it: ``done`` (its validation perplexity),
+    ``running`` (a live process holds its lock: the step it has logged), ``failed`` (failed.json: the exit code),
+    ``stopped`` (begun, not finished, nobody running it: where it resumes) or ``queued`` (not begun)."""
+    from ..train.checkpoint import STEP_NAME
+    from ..train.lock import holder
+
+    summary = read_json(folder / "summary.json")
+    if summary is not None:
+        return "done", f"val ppl {summary['val_ppl']:.2f}" if "val_ppl" in summary else ""
+    steps = ((read_json(folder / "config.json") or {}).get("train") or {}).get("steps")
+    logged = [r["step"] for r in read_jsonl(folder / "metrics.jsonl") if "step" in r] if (folder / "metrics.jsonl").exists() else []
+    at = f"step {logged[-1] if logged else 0}" + (f" of {steps}" if steps else "")
+    who = holder(folder)
+    if who is not None:
+        return "running", f"{at} ({who})"
+    failure = read_json(folder / "failed.json")
+    if failure is not None:
+        return "failed", f"exit {failure.get('returncode')} (failed.json)"
+    saved = sorted(int(d.name.split("-")[1]) for d in (folder / "checkpoints").glob("step-*")
+                   if d.is_dir() and STEP_NAME.fullmatch(d.name)) if (folder / "checkpoints").is_dir() else []
+    if logged or saved:
+        return "stopped", f"{at}; resumes " + (f"from its checkpoint at step {saved[-1]}" if saved else "from the start")
+    return "queued", ""
+
+
+def sweep_status(sweep: Sweep) -> list[tuple[str, str, str]]:
+    """(point name, status, detail) of every point of ``sweep``, in file order (:func:`point_status`)."""
+    return [(p.name, *point_status(sweep.out / p.name)) for p in sweep.points()]

@@ -48,3 +48,18 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def holder(out: Path) -> str | None:
+    """Who holds ``out``'s lock now (its ``pid ... on host`` line), or None if no live process does."""
+    path = Path(out) / ".lock"
+    if fcntl is None or not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # granted unless a run holds it exclusively
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # closing drops the shared lock, if it was granted
+    return None
