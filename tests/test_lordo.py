@@ -89,6 +89,9 @@ def test_global_projection_without_qh_stagnates_and_qh_cures_it():
     # the research code's step: momentum term, E kept and averaged, exact SVD
     ("lordo", ["strategy.lowrank_term=momentum", "strategy.average_error_feedback=true",
                "strategy.error_feedback_after_qh=keep", "strategy.basis_method=svd"]),
+    # int4 rounds with both residuals folded into the models: each shard owner folds its re-encoding's loss into
+    # its own model, at the shard the collectives gave it
+    ("lordo", ['strategy.compress="int4"', 'strategy.compress_residual="model"']),
 ])
 def test_simulator_and_gloo_give_the_same_trajectory(name, extra):
     assert_simulator_equals_gloo(name, [*LOWRANK, *extra])

@@ -338,22 +338,46 @@ def test_a_lean_lordo_checkpoint_resumes_bit_identically():
 # --- compression residuals folded into the model -----------------------------------------------------------
 
 
+def padded_flat(tensors, block):
+    """The tensors laid end to end, each padded with zeros to a whole number of blocks (the block codecs' layout)."""
+    parts = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        parts += [flat, flat.new_zeros(-flat.numel() % block)]
+    return torch.cat(parts)
+
+
 @pytest.mark.parametrize("compress", ["int4", "bf16", "sparse"])
 def test_a_folded_residual_is_the_buffered_one_subtracted_from_the_model(compress):
     """After one round from the same state, the model of a worker that folds what compressing lost (``model``) is
-    the buffered run's model minus that run's residual buffer: the same e, kept in the weights instead."""
-    over = [f'strategy.compress="{compress}"']
-    buffered, models_b = build("local-adam", workers=3, overrides=over, model=wider_model)
-    folded, models_f = build("local-adam", workers=3, overrides=[*over, 'strategy.compress_residual="model"'],
+    the buffered run's model minus that run's residual buffer: the same e, kept in the weights instead. A block
+    codec (int4) also loses when a shard's owner re-encodes the mean (r, the buffered run's shard buffer): the
+    folded owner's model is M·r lower on the elements of its shard (its next Δ then brings r to the mean), and a
+    folded run keeps no compression buffer at all."""
+    over, workers = [f'strategy.compress="{compress}"'], 3
+    buffered, models_b = build("local-adam", workers=workers, overrides=over, model=wider_model)
+    folded, models_f = build("local-adam", workers=workers, overrides=[*over, 'strategy.compress_residual="model"'],
                              model=wider_model)
     train(buffered, models_b, 2)
     train(folded, models_f, 2)
-    for w_b, w_f in zip(buffered.workers, folded.workers):
-        assert w_f.residuals == [] and any(float(e.abs().max()) > 0 for e in w_b.residuals)
-        for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals):
-            assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * float(t_b.abs().max()))
-    held = folded.measured_state_bytes().get("compression_feedback", 0)  # the int4 shard owner's residual alone
-    assert held < 0.5 * buffered.measured_state_bytes()["compression_feedback"]
+    for owner, (w_b, w_f) in enumerate(zip(buffered.workers, folded.workers)):
+        assert w_f.residuals == [] and w_f.shard_residual is None and any(float(e.abs().max()) > 0 for e in w_b.residuals)
+        scale = max(float(t.abs().max()) for t in w_b.tensors)
+        if compress != "int4":
+            assert w_b.shard_residual is None
+            for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals):
+                assert torch.allclose(t_f, t_b - e, rtol=0, atol=1e-6 * scale)
+            continue
+        block = 128  # the int4 wire codec's
+        gap = padded_flat([t_b - e - t_f for t_b, t_f, e in zip(w_b.tensors, w_f.tensors, w_b.residuals)], block)
+        r = w_b.shard_residual
+        assert float(r.abs().max()) > 0
+        expected = torch.zeros(workers * r.numel())
+        expected[owner * r.numel():(owner + 1) * r.numel()] = workers * r
+        assert torch.allclose(gap, expected[:gap.numel()], rtol=0, atol=1e-6 * scale)
+        assert not expected[gap.numel():].any()  # the padding past the last tensor loses nothing
+    assert "compression_feedback" not in folded.measured_state_bytes()
+    assert buffered.measured_state_bytes()["compression_feedback"] > 0
 
 
 def test_a_folded_residual_reaches_the_model_of_a_delayed_round_too():

@@ -28,7 +28,7 @@ import torch
 
 from ..optim.subspace import Side
 from .base import Communicator, TensorLists
-from .codec import COMPRESSIONS, BlockCodec, Codec, average, dense_codecs, padded_numel, scatter_into, shard_numel
+from .codec import COMPRESSIONS, BlockCodec, Codec, add_shard, average, dense_codecs, padded_numel, shard_numel
 from .sparse import VALUE_BITS, SparseCodec, average_sparse
 
 FULLRANK = ("dense", "sparse")
@@ -150,9 +150,4 @@ class BasisCodec:
         return [torch.zeros(shard, device=ds[0].device) for ds in dense_of]
 
     def _add_shard_loss(self, lost: list[torch.Tensor], shard_loss: torch.Tensor, comm: Communicator, h: int) -> None:
-        owner, shard = comm.local_ranks[h], shard_loss.numel()
-        vector = torch.zeros(comm.world_size * shard, device=shard_loss.device)
-        vector[owner * shard:(owner + 1) * shard] = shard_loss * comm.world_size
-        spread = [torch.zeros_like(t) for t in lost]
-        scatter_into(spread, vector, self.dense.block)  # type: ignore[union-attr]
-        torch._foreach_add_(lost, spread)
+        add_shard(lost, shard_loss * comm.world_size, comm.local_ranks[h], comm.world_size, self.dense.block)  # type: ignore[union-attr]

@@ -212,6 +212,16 @@ def exchange_shards(comm: Communicator, chunks: list[list[torch.Tensor]], tag: s
     return comm.all_gather(mine, tag=tag)
 
 
+def add_shard(tensors: Sequence[torch.Tensor], values: torch.Tensor, owner: int, world: int, block: int) -> None:
+    """Add ``values`` (shard ``owner`` of the flat layout of :func:`shard_payloads`, of ``world`` shards) to the
+    elements of ``tensors`` that shard was cut from."""
+    flat = torch.zeros(world * values.numel(), dtype=values.dtype, device=values.device)
+    flat[owner * values.numel():(owner + 1) * values.numel()] = values
+    spread = [torch.zeros_like(t) for t in tensors]
+    scatter_into(spread, flat, block)
+    torch._foreach_add_(list(tensors), spread)
+
+
 def decode_shards(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: BlockCodec) -> torch.Tensor:
     """The flat vector whose shards ``sources`` holds encoded (one ``[payload]`` per shard, in order)."""
     return torch.cat([codec.decode(src[0], shard) for src in sources])

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..comm import Communicator
 from ..comm.basis_codec import SparseSettings, check_sparse
-from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, average, padded_numel, shard_numel
+from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, add_shard, average, padded_numel, shard_numel
 from ..comm.payloads import sync_codecs
 from ..errors import ConfigError, NonFiniteError
 from ..optim.sharded import local
@@ -111,13 +111,16 @@ class LocalUpdateStrategy(Strategy):
         if compression_residual not in RESIDUALS:
             raise ConfigError(f"compression_residual must be one of {', '.join(RESIDUALS)}, got {compression_residual!r}")
         # what compressing the pseudo-gradient lost: in buffers until the next round adds it, or folded into each
-        # worker's model after the round (the next round's pseudo-gradient then holds it: no buffer between rounds)
+        # worker's model after the round (the next round's pseudo-gradient then holds it: no buffer between rounds).
+        # A block codec loses twice: the worker's encoding, and the shard owner's re-encoding of the mean; a folded
+        # blocking round folds the second too (M times it into the owner's model: its next Δ brings it to the mean),
+        # a round in flight keeps it in the owner's buffer (it arrives when the model has moved on)
         self.fold_residuals = compress != "none" and compression_feedback and compression_residual == "model"
         if compress != "none" and compression_feedback:
             codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
                 w.residuals = [] if self.fold_residuals else [torch.zeros_like(t) for t in w.tensors]
-                if isinstance(codec, BlockCodec):
+                if isinstance(codec, BlockCodec) and not (self.fold_residuals and not sync_delay):
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
 
@@ -245,12 +248,20 @@ class LocalUpdateStrategy(Strategy):
         folded residual is not carried: no round follows to deliver it, as a buffered one is not either)."""
         # each worker's parameters become its pseudo-gradient in place (they are overwritten below anyway)
         pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
+        codec, world = self.codecs["pseudo_gradient"], self.comm.world_size
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
+        fold_shards = self.fold_residuals and isinstance(codec, BlockCodec) and world > 1 and shard_residuals is None
+        if fold_shards:  # zeros the round fills with what re-encoding each owned shard's mean lost
+            shard = shard_numel(padded_numel([t.numel() for t in pseudo[0]], codec), world, codec)
+            shard_residuals = [torch.zeros(shard, device=pseudo[0][0].device) for _ in self.workers]
         residuals = self.round_residuals()
-        average(self.comm, pseudo, "pseudo_gradient", self.codecs["pseudo_gradient"], residuals, shard_residuals)
+        average(self.comm, pseudo, "pseudo_gradient", codec, residuals, shard_residuals)
         stats = self.apply_round(pseudo[0])
         if self.fold_residuals and not final:  # each worker starts the next round at θ_new − e: its next Δ carries e
-            for w, lost in zip(self.workers, residuals, strict=True):
+            for h, (w, lost) in enumerate(zip(self.workers, residuals, strict=True)):
+                if fold_shards:  # and the owner of a shard at θ_new − M·r there: its next Δ brings r to the mean
+                    assert shard_residuals is not None
+                    add_shard(lost, shard_residuals[h] * world, self.comm.local_ranks[h], world, codec.block)
                 torch._foreach_sub_(w.tensors, lost)
         return stats
 
