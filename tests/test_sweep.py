@@ -341,7 +341,7 @@ def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp
     for folder in folders[:4]:
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"train": {"steps": 40}}))
-        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (10, 20, 30)))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train_s": 6.0 * s}) + "\n" for s in (10, 20, 30)))
     (folders[0] / "summary.json").write_text(json.dumps({"val_ppl": 41.234}))
     (folders[2] / "failed.json").write_text(json.dumps({"returncode": 3, "stderr": "boom"}))
     (folders[3] / "checkpoints" / "step-00000020").mkdir(parents=True)
@@ -351,7 +351,7 @@ def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp
         assert main(["sweep", str(f), "--out", str(out), "--status"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["[1/5]", "done", "seed-0", "val", "ppl", "41.23"]
-    assert lines[1].split()[:7] == ["[2/5]", "running", "seed-1", "step", "30", "of", "40"]
+    assert lines[1].split()[:11] == ["[2/5]", "running", "seed-1", "step", "30", "of", "40,", "about", "1", "min", "left"]
     assert lines[2].split() == ["[3/5]", "failed", "seed-2", "exit", "3", "(failed.json)"]
     assert " ".join(lines[3].split()) == "[4/5] stopped seed-3 step 30 of 40; resumes from its checkpoint at step 20"
     assert lines[4].split() == ["[5/5]", "queued", "seed-4"]

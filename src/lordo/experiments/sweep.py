@@ -232,11 +232,12 @@ def point_status(folder: Path) -> tuple[str, str]:
     if summary is not None:
         return "done", f"val ppl {summary['val_ppl']:.2f}" if "val_ppl" in summary else ""
     steps = ((read_json(folder / "config.json") or {}).get("train") or {}).get("steps")
-    logged = [r["step"] for r in read_jsonl(folder / "metrics.jsonl") if "step" in r] if (folder / "metrics.jsonl").exists() else []
+    rows = [r for r in read_jsonl(folder / "metrics.jsonl") if "step" in r] if (folder / "metrics.jsonl").exists() else []
+    logged = [r["step"] for r in rows]
     at = f"step {logged[-1] if logged else 0}" + (f" of {steps}" if steps else "")
     who = holder(folder)
     if who is not None:
-        return "running", f"{at} ({who})"
+        return "running", f"{at}{_time_left(rows, steps)} ({who})"
     failure = read_json(folder / "failed.json")
     if failure is not None:
         return "failed", f"exit {failure.get('returncode')} (failed.json)"
@@ -245,6 +246,17 @@ def point_status(folder: Path) -> tuple[str, str]:
     if logged or saved:
         return "stopped", f"{at}; resumes " + (f"from its checkpoint at step {saved[-1]}" if saved else "from the start")
     return "queued", ""
+
+
+def _time_left(rows: list[dict[str, Any]], steps: int | None) -> str:
+    """", about N min left" at the pace of the last ten logged training rows (their ``train_s``), or nothing."""
+    timed = [r for r in rows if "train_s" in r][-11:]
+    if not steps or len(timed) < 2:
+        return ""
+    spent, done = timed[-1]["train_s"] - timed[0]["train_s"], timed[-1]["step"] - timed[0]["step"]
+    if spent <= 0 or done <= 0:  # a resume restarted the clock between them
+        return ""
+    return f", about {max(1, round((steps - timed[-1]['step']) * spent / done / 60))} min left"
 
 
 def sweep_status(sweep: Sweep) -> list[tuple[str, str, str]]:
