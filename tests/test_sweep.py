@@ -360,3 +360,32 @@ def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp
     # the run ended (its lock file stays, nobody holds it): stopped, resuming from the start (no checkpoint)
     assert main(["sweep", str(f), "--out", str(out), "--status"]) == 0
     assert " ".join(capsys.readouterr().out.splitlines()[1].split()) == "[2/5] stopped seed-1 step 30 of 40; resumes from the start"
+
+
+def test_report_pairs_every_point_with_a_reference_seed_by_seed(tmp_path):
+    """Two settings on seeds 0 and 1 (a third only on seed 0): each seed's perplexity against the reference's on
+    that seed, by hand: 40.4 / 40 − 1 = +1.00 %, 49.5 / 50 − 1 = −1.00 %; a point missing a seed shows a dash."""
+    from lordo.errors import LordoError
+    from lordo.experiments.report import write_report
+
+    ppl = {("float32", 0): 40.0, ("float32", 1): 50.0, ("int8", 0): 40.4, ("int8", 1): 49.5, ("int4", 0): 42.0}
+    points = []
+    for (dtype, seed), value in ppl.items():
+        folder = tmp_path / f"dtype-{dtype}__seed-{seed}"
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({
+            "val_ppl": value, "val_loss": 3.7, "steps": 10, "comm_bytes_per_step": 1.0, "params": 1000,
+            "comm_wire_bytes_total": 1000, "ddp_comm_wire_bytes": 20000, "comm_bytes_total": 1,
+            "optimizer_state_bytes": {"moments": 800}}))
+        points.append({"name": folder.name, "dir": str(folder), "status": "done",
+                       "values": {"strategy.error_feedback_dtype": dtype, "train.seed": seed}})
+    (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
+    text = write_report(tmp_path, paired="error_feedback_dtype=float32").read_text()
+    rows = text.split("## Paired against error_feedback_dtype=float32")[1].splitlines()
+    assert "| error_feedback_dtype=float32 (reference) | 40.00 | 50.00 | – |" in rows
+    assert "| error_feedback_dtype=int8 | 40.40 (+1.00 %) | 49.50 (-1.00 %) | +1.00 % |" in rows
+    assert "| error_feedback_dtype=int4 | 42.00 (+5.00 %) | – | +5.00 % |" in rows
+    assert "--paired 'error_feedback_dtype=float32'" in text  # the command that regenerates it
+    with pytest.raises(LordoError, match="--paired 'float32' is not a point of this report; its points are: "
+                                         "error_feedback_dtype=float32; error_feedback_dtype=int4; error_feedback_dtype=int8"):
+        write_report(tmp_path, paired="float32")

@@ -175,7 +175,9 @@ def _report(args: argparse.Namespace) -> int:
                           "with --out FILE.md")
     if args.out is not None and Path(args.out).is_dir():
         raise ConfigError(f"--out {args.out} is a folder: give the markdown file to write")
-    print(f"wrote {write_report(args.dirs[0]) if args.out is None else write_pooled(args.dirs, args.out)}")
+    written = (write_report(args.dirs[0], args.paired) if args.out is None
+               else write_pooled(args.dirs, args.out, args.paired))
+    print(f"wrote {written}")
     return 0
 
 
@@ -316,6 +318,8 @@ def make_parser() -> argparse.ArgumentParser:
     rp.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
     rp.add_argument("--out", metavar="FILE.md", help="write the pooled tables of every DIR here instead (no plots); "
                     "the runs must share model, vocabulary, steps, batch size and workers")
+    rp.add_argument("--paired", metavar="POINT", help="also compare every point with POINT (as the report's first "
+                    "column names it) seed by seed: each seed's perplexity and its difference in per cent")
     rp.set_defaults(func=_report)
 
     pl = sub.add_parser(

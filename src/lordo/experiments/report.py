@@ -153,21 +153,55 @@ def _points_table(groups: dict[str, list[dict[str, Any]]], reference: float | No
     return lines
 
 
-def _tables(runs: list[dict[str, Any]], pooled: bool, command: str) -> list[str]:
+def _seed(run: dict[str, Any]) -> Any:
+    return run["values"].get("train.seed", run["config"].get("train", {}).get("seed"))
+
+
+def _paired(groups: dict[str, list[dict[str, Any]]], reference: str) -> list[str]:
+    """Each point's perplexity against point ``reference``'s on the same seed (the same initial model and data
+    order: the difference is the setting's alone, where the seeds' own spread is much larger), in per cent."""
+    if reference not in groups:
+        raise LordoError(f"--paired {reference!r} is not a point of this report; its points are: " + "; ".join(groups))
+    base = {_seed(m): m["summary"]["val_ppl"] for m in groups[reference]}
+    seeds = sorted(base, key=str)
+    lines = ["", f"## Paired against {reference}", "",
+             "Each point's validation perplexity on a seed, and how far it is from the reference's on that seed.", "",
+             "| point | " + " | ".join(f"seed {s}" for s in seeds) + " | largest difference |",
+             "|---|" + "---|" * len(seeds) + "---|",
+             f"| {reference} (reference) | " + " | ".join(f"{base[s]:.2f}" for s in seeds) + " | – |"]
+    for key, members in groups.items():
+        if key == reference:
+            continue
+        mine = {_seed(m): m["summary"]["val_ppl"] for m in members}
+        diffs = {s: 100 * (mine[s] / base[s] - 1) for s in seeds if s in mine}
+        cells = [f"{mine[s]:.2f} ({diffs[s]:+.2f} %)" if s in diffs else "–" for s in seeds]
+        largest = f"{max(diffs.values(), key=abs):+.2f} %" if diffs else "–"
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {largest} |")
+    return lines
+
+
+def _tables(runs: list[dict[str, Any]], pooled: bool, command: str, paired: str | None = None) -> list[str]:
     groups = _groups(runs, pooled)
     tasks = sorted({t for run in runs for t in run["eval"]})  # downstream scores, where lordo eval wrote them
     reference = _ddp_ppl(groups)  # the best ddp point's perplexity, where there is one
     intro = (f"{len(runs)} runs; mean ± std over seeds where there are several. Regenerate with `{command}`."
              + (f" ppl × ddp: against the best `ddp` point's mean ({reference:.2f})." if reference else ""))
-    return ["", intro, "", *_points_table(groups, reference, tasks), *_best_rates(groups, reference, pooled)]
+    return ["", intro, "", *_points_table(groups, reference, tasks), *_best_rates(groups, reference, pooled),
+            *(_paired(groups, paired) if paired else [])]
 
 
-def write_report(root: str | Path) -> Path:
+def _command(roots: list[Path], out: str | Path | None, paired: str | None) -> str:
+    return ("lordo report " + " ".join(str(r) for r in roots) + (f" --out {out}" if out is not None else "")
+            + (f" --paired '{paired}'" if paired else ""))
+
+
+def write_report(root: str | Path, paired: str | None = None) -> Path:
+    """``root``/report.md and its plots; ``paired``: a point the others are compared with, seed by seed."""
     root = Path(root)
     runs = read_runs(root)
     if not runs:
         raise LordoError(f"no finished runs (*/summary.json) under {root}")
-    lines = [f"# Report: {root.name}", *_tables(runs, False, f"lordo report {root}")]
+    lines = [f"# Report: {root.name}", *_tables(runs, False, _command([root], None, paired), paired)]
     from .plots import write_plots
 
     plots = write_plots(root, runs)
@@ -187,7 +221,7 @@ def _setting(run: dict[str, Any], key: str) -> Any:
     return run["config"].get(section, {}).get(name)
 
 
-def write_pooled(roots: list[Path] | list[str], out: str | Path) -> Path:
+def write_pooled(roots: list[Path] | list[str], out: str | Path, paired: str | None = None) -> Path:
     """One report (tables, no plots) of the runs of several folders, at ``out``: each point named with its folder
     and what that folder's sweep varied (seeds are averaged within a folder, not across folders), the best rate of
     each configuration, all against the best ``ddp`` point among them. The folders' runs must
@@ -216,8 +250,7 @@ def write_pooled(roots: list[Path] | list[str], out: str | Path) -> Path:
                                for value, where in seen.items())
             raise LordoError(f"the runs differ in {key} ({listed}): pool only runs of one setting, whose perplexities "
                              "and bytes compare")
-    command = "lordo report " + " ".join(str(r) for r in folders) + f" --out {out}"
-    lines = ["# Report: " + ", ".join(names), *_tables(runs, True, command), ""]
+    lines = ["# Report: " + ", ".join(names), *_tables(runs, True, _command(folders, out, paired), paired), ""]
     out = Path(out)
     atomic_write(out, "\n".join(lines).encode())
     return out
