@@ -389,3 +389,15 @@ def test_report_pairs_every_point_with_a_reference_seed_by_seed(tmp_path):
     with pytest.raises(LordoError, match="--paired 'float32' is not a point of this report; its points are: "
                                          "error_feedback_dtype=float32; error_feedback_dtype=int4; error_feedback_dtype=int8"):
         write_report(tmp_path, paired="float32")
+
+
+def test_a_reader_that_goes_away_ends_the_listing_quietly(tmp_path):
+    """`lordo sweep FILE --dry-run | head -1`: the listing (beyond a pipe's buffer) stops without a traceback."""
+    seeds = ", ".join(str(s) for s in range(3000))
+    f = write(tmp_path, f'[sweep]\nname = "long"\n[grid]\n"train.seed" = [{seeds}]\n')
+    proc = subprocess.Popen([sys.executable, "-m", "lordo.cli", "sweep", str(f), "--out", str(tmp_path / "o"), "--dry-run"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().endswith(b'train.seed=0\n')
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err and b"Error" not in err, err.decode()[-2000:]

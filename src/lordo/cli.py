@@ -404,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("lordo: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`lordo sweep FILE --dry-run | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141
     except RuntimeError as exc:  # an allocator's refusal (torch.OutOfMemoryError is one too): said, not a traceback
         text = str(exc)
         if not any(marker in text for marker in ("out of memory", "can't allocate memory", "not enough memory")):
