@@ -249,11 +249,14 @@ def test_report_gives_each_configuration_at_its_best_rate(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps({"points": points}))
     table = write_report(tmp_path).read_text().split("## Each configuration at its best learning rate")[1]
     rows = [line for line in table.splitlines() if line.startswith("| name=")]
-    assert rows == [
+    assert rows[:3] == [
         "| name=ddp | 0.003 (0.003, 0.006; lowest tried) | 2 | 31.00 ± 1.41 | 1.000 | 1.0000 | 1.00 |",
         "| name=lordo | 0.003 (0.0015, 0.003, 0.006) | 2 | 37.00 ± 1.41 | 1.194 | 0.0500 | 0.50 |",
         "| name=local-adam | 0.003 (0.003, 0.006; lowest tried) | 1 | 40.00 | 1.290 | 0.0250 | 1.50 |",
     ]
+    assert "| configuration | lr 0.0015 | lr 0.003 | lr 0.006 |" in table  # then every rate of every configuration
+    assert rows[3:] == ["| name=ddp | – | 31.00 | 35.00 |", "| name=lordo | 50.00 | 37.00 | 38.50 |",
+                        "| name=local-adam | – | 40.00 | 44.00 |"]
 
 
 def test_report_without_rates_to_choose_from_has_no_best_rate_table(tmp_path):
@@ -304,7 +307,8 @@ def test_a_pooled_report_names_each_configuration_with_its_folder(tmp_path):
               for n, ppl in (("ddp", 40.0), ("lordo", 46.0))]
     (muon / "sweep.json").write_text(json.dumps({"points": points}))
     text = write_pooled([rates, muon], tmp_path / "pooled.md").read_text()
-    rows = [line for line in text.split("best learning rate")[1].splitlines() if line.startswith(("| muon", "| rates"))]
+    best = text.split("best learning rate")[1].split("Mean validation perplexity")[0]
+    rows = [line for line in best.splitlines() if line.startswith(("| muon", "| rates"))]
     assert rows == [
         "| muon: name=ddp | 0.01 (0.01) | 1 | 40.00 | 1.000 | 1.0000 | 1.00 |",
         "| rates: name=lordo | 0.003 (0.001, 0.003; highest tried) | 1 | 44.00 | 1.100 | 0.0500 | 1.00 |",

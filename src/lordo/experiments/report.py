@@ -112,6 +112,21 @@ def _best_rates(groups: dict[str, list[dict[str, Any]]], reference: float | None
         cells += [f"{_mean_ppl(best) / reference:.3f}"] if reference else []
         cells += [f"{statistics.mean(ratios):.4f}" if ratios else "–", _adamw_ratio(s[0], state)]
         rows.append((_mean_ppl(best), "| " + " | ".join(cells) + " |"))
+    return [*_best_table(rows, reference), *_rate_grid(by_config)]
+
+
+def _rate_grid(by_config: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
+    """Every configuration's mean perplexity at every rate it tried: one row per configuration, one column per rate."""
+    rates = sorted({_rate(p[0]) for points in by_config.values() for p in points if _rate(p[0]) is not None})
+    lines = ["", "Mean validation perplexity at each rate tried (`–`: a rate not tried for that configuration):", "",
+             "| configuration | " + " | ".join(f"lr {r}" for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for config, points in sorted(by_config.items(), key=lambda item: min(map(_mean_ppl, item[1]))):  # best first
+        at = {_rate(p[0]): p for p in points}
+        lines.append(f"| {config} | " + " | ".join(f"{_mean_ppl(at[r]):.2f}" if r in at else "–" for r in rates) + " |")
+    return lines
+
+
+def _best_table(rows: list[tuple[float, str]], reference: float | None) -> list[str]:
     return ["", "## Each configuration at its best learning rate", "",
             "The rate with the lowest mean perplexity over its seeds, of the rates tried (in brackets; where it is the "
             "lowest or highest tried, the best may lie beyond them)"
