@@ -225,7 +225,7 @@ def point_status(folder: Path) -> tuple[str, str]:
     """(status, detail) of one point's folder, read without touching it: ``done`` (its validation perplexity),
     ``running`` (a live process holds its lock: the step it has logged), ``failed`` (failed.json: the exit code),
     ``stopped`` (begun, not finished, nobody running it: where it resumes) or ``queued`` (not begun)."""
-    from ..train.checkpoint import STEP_NAME
+    from ..train.checkpoint import saved_step_dirs
     from ..train.lock import holder
 
     summary = read_json(folder / "summary.json")
@@ -241,8 +241,7 @@ def point_status(folder: Path) -> tuple[str, str]:
     failure = read_json(folder / "failed.json")
     if failure is not None:
         return "failed", f"exit {failure.get('returncode')} (failed.json)"
-    saved = sorted(int(d.name.split("-")[1]) for d in (folder / "checkpoints").glob("step-*")
-                   if d.is_dir() and STEP_NAME.fullmatch(d.name)) if (folder / "checkpoints").is_dir() else []
+    saved = [int(d.name[5:]) for d in saved_step_dirs(folder / "checkpoints")[0]]
     if logged or saved:
         return "stopped", f"{at}; resumes " + (f"from its checkpoint at step {saved[-1]}" if saved else "from the start")
     return "queued", ""

@@ -116,11 +116,14 @@ class LocalUpdateStrategy(Strategy):
         # blocking round folds the second too (M times it into the owner's model: its next Δ brings it to the mean),
         # a round in flight keeps it in the owner's buffer (it arrives when the model has moved on)
         self.fold_residuals = compress != "none" and compression_feedback and compression_residual == "model"
+        # the shard owner's loss folded too: blocking block-coded rounds (a round in flight keeps it in a buffer)
+        self.fold_shard_residuals = (self.fold_residuals and not sync_delay
+                                     and isinstance(self.codecs["pseudo_gradient"], BlockCodec))
         if compress != "none" and compression_feedback:
             codec = self.codecs["pseudo_gradient"]
             for w in self.workers:
                 w.residuals = [] if self.fold_residuals else [torch.zeros_like(t) for t in w.tensors]
-                if isinstance(codec, BlockCodec) and not (self.fold_residuals and not sync_delay):
+                if isinstance(codec, BlockCodec) and not self.fold_shard_residuals:
                     padded = padded_numel([t.numel() for t in w.tensors], codec)
                     w.shard_residual = torch.zeros(shard_numel(padded, comm.world_size, codec), device=w.tensors[0].device)
 
@@ -250,7 +253,7 @@ class LocalUpdateStrategy(Strategy):
         pseudo = [[t.data for t in self.anchor.pseudo_gradients(w.tensors)] for w in self.workers]
         codec, world = self.codecs["pseudo_gradient"], self.comm.world_size
         shard_residuals = [w.shard_residual for w in self.workers if w.shard_residual is not None] or None
-        fold_shards = self.fold_residuals and isinstance(codec, BlockCodec) and world > 1 and shard_residuals is None
+        fold_shards = self.fold_shard_residuals and world > 1
         if fold_shards:  # zeros the round fills with what re-encoding each owned shard's mean lost
             shard = shard_numel(padded_numel([t.numel() for t in pseudo[0]], codec), world, codec)
             shard_residuals = [torch.zeros(shard, device=pseudo[0][0].device) for _ in self.workers]

@@ -121,6 +121,19 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def saved_step_dirs(root: Path) -> tuple[list[Path], list[Path]]:
+    """The checkpoint folders under ``root`` that were completely written (step-N, renamed from .partial), oldest
+    first, and the other folders named step-* that are not checkpoints (a backup copy, one made by hand)."""
+    if not root.is_dir():
+        return [], []
+    dirs: list[Path] = []
+    strays: list[Path] = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith("step-") and not d.name.endswith(".partial"):
+            (dirs if STEP_NAME.fullmatch(d.name) else strays).append(d)
+    return sorted(dirs, key=lambda d: int(d.name[5:])), strays
+
+
 def worker_file(rank: int, shard: int | None = None) -> str:
     """Worker ``rank``'s file; with its model sharded over its ranks, one per rank (``shard``: its position)."""
     return f"worker-{rank:05d}.pt" if shard is None else f"worker-{rank:05d}-shard-{shard:03d}.pt"
@@ -206,18 +219,12 @@ class Checkpointer:
 
     def complete_dirs(self) -> list[Path]:
         """Checkpoint folders that were completely written (renamed from .partial), oldest first."""
-        if not self.root.is_dir():
-            return []
-        dirs: list[Path] = []
-        strays: list[Path] = []
-        for d in self.root.iterdir():
-            if d.is_dir() and d.name.startswith("step-") and not d.name.endswith(".partial"):
-                (dirs if STEP_NAME.fullmatch(d.name) else strays).append(d)
+        dirs, strays = saved_step_dirs(self.root)
         if strays and not self._warned_strays:  # a backup copy (step-N.bak), a folder made by hand: not ours
             warnings.warn(f"ignoring folders in {self.root} that are not checkpoints (step-N): "
                           f"{', '.join(sorted(d.name for d in strays))}", RuntimeWarning, stacklevel=2)
             self._warned_strays = True
-        return sorted(dirs, key=lambda d: int(d.name[5:]))
+        return dirs
 
     def latest_step_name(self) -> str | None:
         dirs = self.complete_dirs()
