@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lordo.comm import SimCommunicator
-from lordo.comm.codec import BlockCodec, average, padded_numel, shard_numel
+from lordo.comm.codec import BlockCodec, add_shard, average, padded_numel, shard_numel
 from lordo.comm.compress import (
     dequantize_int8_rows,
     dequantize_log_int8_rows,
@@ -214,3 +214,23 @@ def test_bf16_error_feedback_buffer_halves_the_state_and_tracks_the_fp32_one():
     torch.testing.assert_close(w16, w32, rtol=1e-3, atol=1e-4)
     assert opt16.state_bytes()["error_feedback"] * 2 == 24 * 10 * 4
     assert opt32.state_bytes()["error_feedback"] == 24 * 10 * 4 + 24 * 3 * 4  # and proj(E) of its deferred form
+
+
+@pytest.mark.parametrize("owner", [0, 1, 2])
+def test_add_shard_adds_exactly_the_owners_span_of_the_padded_layout(owner):
+    """add_shard against the layout written out by hand: tensors of 5, 7 and 3 elements in blocks of 4 are laid out
+    at offsets 0, 8 and 16 (zeros between, 20 elements padded), cut into 3 shards of 8; shard ``owner`` covers flat
+    positions [8·owner, 8·owner + 8) and only the tensor elements there change."""
+    torch.manual_seed(owner)
+    tensors = [torch.randn(5, dtype=torch.float64), torch.randn(7, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    before = [t.clone() for t in tensors]
+    values = torch.randn(8, dtype=torch.float64)
+    offsets = [0, 8, 16]
+    add_shard(tensors, values, owner, world=3, block=4)
+    for t, old, offset in zip(tensors, before, offsets, strict=True):
+        expected = old.clone()
+        for i in range(t.numel()):
+            flat = offset + i
+            if 8 * owner <= flat < 8 * owner + 8:
+                expected[i] += values[flat - 8 * owner]
+        assert torch.equal(t, expected)

@@ -215,11 +215,13 @@ def exchange_shards(comm: Communicator, chunks: list[list[torch.Tensor]], tag: s
 def add_shard(tensors: Sequence[torch.Tensor], values: torch.Tensor, owner: int, world: int, block: int) -> None:
     """Add ``values`` (shard ``owner`` of the flat layout of :func:`shard_payloads`, of ``world`` shards) to the
     elements of ``tensors`` that shard was cut from."""
-    flat = torch.zeros(world * values.numel(), dtype=values.dtype, device=values.device)
-    flat[owner * values.numel():(owner + 1) * values.numel()] = values
-    spread = [torch.zeros_like(t) for t in tensors]
-    scatter_into(spread, flat, block)
-    torch._foreach_add_(list(tensors), spread)
+    lo, hi = owner * values.numel(), (owner + 1) * values.numel()
+    offset = 0
+    for t in tensors:  # only the spans that overlap the shard, in place (no copy of the model)
+        start, end = max(lo, offset), min(hi, offset + t.numel())
+        if start < end:
+            t.view(-1)[start - offset:end - offset] += values[start - lo:end - lo]
+        offset += math.ceil(t.numel() / block) * block
 
 
 def decode_shards(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: BlockCodec) -> torch.Tensor:
