@@ -210,12 +210,17 @@ def _command(roots: list[Path], out: str | Path | None, paired: str | None) -> s
             + (f" --paired '{paired}'" if paired else ""))
 
 
-def write_report(root: str | Path, paired: str | None = None) -> Path:
-    """``root``/report.md and its plots; ``paired``: a point the others are compared with, seed by seed."""
-    root = Path(root)
+def _finished_runs(root: Path) -> list[dict[str, Any]]:
     runs = read_runs(root)
     if not runs:
         raise LordoError(f"no finished runs (*/summary.json) under {root}")
+    return runs
+
+
+def write_report(root: str | Path, paired: str | None = None) -> Path:
+    """``root``/report.md and its plots; ``paired``: a point the others are compared with, seed by seed."""
+    root = Path(root)
+    runs = _finished_runs(root)
     lines = [f"# Report: {root.name}", *_tables(runs, False, _command([root], None, paired), paired)]
     from .plots import write_plots
 
@@ -245,12 +250,7 @@ def write_pooled(roots: list[Path] | list[str], out: str | Path, paired: str | N
     names = [r.name for r in folders]
     if len(set(names)) < len(names):
         raise LordoError(f"two of the folders have the same name ({', '.join(names)}): their points could not be told apart")
-    runs = []
-    for root in folders:
-        found = read_runs(root)
-        if not found:
-            raise LordoError(f"no finished runs (*/summary.json) under {root}")
-        runs += found
+    runs = [run for root in folders for run in _finished_runs(root)]
     unknown = [f"{run['folder']}/{run['name']}" for run in runs if not run["config"]]
     if unknown:
         raise LordoError(f"{unknown[0]} has no readable config.json"
