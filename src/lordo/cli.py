@@ -170,6 +170,10 @@ def _sweep(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from .experiments.report import write_pooled, write_report
 
+    if args.table is not None:
+        return _report_table(args)
+    if not args.dirs:
+        raise ConfigError("lordo report needs a results folder (DIR), or --table FILE.toml")
     if args.out is None and len(args.dirs) > 1:
         raise ConfigError(f"lordo report was given {len(args.dirs)} folders: name the file of their pooled report "
                           "with --out FILE.md")
@@ -178,6 +182,18 @@ def _report(args: argparse.Namespace) -> int:
     written = (write_report(args.dirs[0], args.paired) if args.out is None
                else write_pooled(args.dirs, args.out, args.paired))
     print(f"wrote {written}")
+    return 0
+
+
+def _report_table(args: argparse.Namespace) -> int:
+    from .experiments.tables import write_table
+
+    if args.dirs or args.paired:
+        raise ConfigError("lordo report --table takes its folders from the spec file: give no DIR and no --paired")
+    if args.out is not None and Path(args.out).is_dir():
+        raise ConfigError(f"--out {args.out} is a folder: give the markdown file to write")
+    text = write_table(args.table, args.out)
+    print(f"wrote {args.out}" if args.out is not None else text, end="\n" if args.out is not None else "")
     return 0
 
 
@@ -315,11 +331,15 @@ def make_parser() -> argparse.ArgumentParser:
                     "with --out, the tables of the runs of one or several folders pooled (points named with their "
                     "folder, each configuration at its best rate, all against the best ddp point) into one file.",
     )
-    rp.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
+    rp.add_argument("dirs", nargs="*", metavar="DIR", help="a sweep's results folder (or any folder of run folders)")
     rp.add_argument("--out", metavar="FILE.md", help="write the pooled tables of every DIR here instead (no plots); "
                     "the runs must share model, vocabulary, steps, batch size and workers")
     rp.add_argument("--paired", metavar="POINT", help="also compare every point with POINT (as the report's first "
                     "column names it) seed by seed: each seed's perplexity and its difference in per cent")
+    rp.add_argument("--table", metavar="FILE.toml", help="instead, the table a spec file describes: rows of runs "
+                    "from several folders at several scales (each at its best rate, against a reference row), and "
+                    "claims compared seed by seed at each scale (experiments/tables.py documents the format); "
+                    "printed, or written to --out")
     rp.set_defaults(func=_report)
 
     pl = sub.add_parser(
