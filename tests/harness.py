@@ -21,9 +21,9 @@ from lordo.strategies import build_strategy
 VOCAB = 61
 
 
-def tiny_model(dtype: torch.dtype = torch.float32) -> GPT:
+def tiny_model(dtype: torch.dtype = torch.float32, d_model: int = 16) -> GPT:
     torch.manual_seed(1234)
-    return GPT(GPTConfig(vocab_size=VOCAB, d_model=16, n_layers=1, n_heads=2, seq_len=8)).to(dtype)
+    return GPT(GPTConfig(vocab_size=VOCAB, d_model=d_model, n_layers=1, n_heads=2, seq_len=8)).to(dtype)
 
 
 def batch(rank: int, step: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,9 +36,9 @@ def strategy_config(name: str, overrides=()):
     return build_config(overrides=[f'strategy.name="{name}"', "schedule.warmup_steps=0", *overrides])
 
 
-def run_strategy(comm, cfg, steps: int, lr: float = 1e-2, dtype: torch.dtype = torch.float32):
+def run_strategy(comm, cfg, steps: int, lr: float = 1e-2, dtype: torch.dtype = torch.float32, d_model: int = 16):
     """Train one tiny replica per hosted worker; returns worker 0's final parameters and the ledger."""
-    models = [tiny_model(dtype) for _ in comm.local_ranks]
+    models = [tiny_model(dtype, d_model) for _ in comm.local_ranks]
     groups = [group_parameters(m) for m in models]
     strategy = build_strategy(cfg, models, groups, comm)
     for step in range(steps):
@@ -123,25 +123,25 @@ def run_gloo(fn, world: int, *args, timeout: float = 120.0) -> dict:
     return results
 
 
-def gloo_strategy_worker(name: str, overrides, steps: int):
+def gloo_strategy_worker(name: str, overrides, steps: int, d_model: int = 16):
     from lordo.comm.torch_dist import TorchDistCommunicator
 
     comm = TorchDistCommunicator("gloo", timeout_s=60)
     try:
-        return run_strategy(comm, strategy_config(name, overrides), steps)
+        return run_strategy(comm, strategy_config(name, overrides), steps, d_model=d_model)
     finally:
         comm.close()
 
 
-def assert_simulator_equals_gloo(name: str, overrides, steps: int = 8):
+def assert_simulator_equals_gloo(name: str, overrides, steps: int = 8, d_model: int = 16):
     """The same strategy on the simulator (one thread) and on 2 gloo processes: equal parameters and ledgers,
     bit for bit. Returns the simulator's communicator for further checks."""
     from lordo.comm import SimCommunicator
 
     with one_thread():
         comm = SimCommunicator(2)
-        sim_params, sim_ledger = run_strategy(comm, strategy_config(name, overrides), steps=steps)
-    results = run_gloo(gloo_strategy_worker, 2, name, overrides, steps)
+        sim_params, sim_ledger = run_strategy(comm, strategy_config(name, overrides), steps=steps, d_model=d_model)
+    results = run_gloo(gloo_strategy_worker, 2, name, overrides, steps, d_model)
     assert all(status == "ok" for status, _ in results.values()), results
     for rank in range(2):
         params, ledger = results[rank][1]

@@ -28,6 +28,7 @@ from .timing import machine
 
 LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
 LEAN4 = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int4"', 'strategy.moments_dtype="int8"')
+LOWRANK8 = ('strategy.lowrank_moments_dtype="int8"',)
 MUON = ('optim.inner="muon"', 'optim.muon_ns_dtype="float32"')
 STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ddp + Muon", ('strategy.name="ddp"', *MUON)),
@@ -45,6 +46,9 @@ STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lordo, lean (int8 anchor, E, full-rank moments)", ('strategy.name="lordo"', *LEAN)),
     ("lordo, lean with int4 E", ('strategy.name="lordo"', *LEAN4)),
     ("lordo, lean with int4 E, anchor in host memory", ('strategy.name="lordo"', *LEAN4, "strategy.offload_anchor=true")),
+    ("lordo, lean and int8 low-rank moments", ('strategy.name="lordo"', *LEAN, *LOWRANK8)),
+    ("lordo, lean and int8 low-rank moments, anchor in host memory",
+     ('strategy.name="lordo"', *LEAN, *LOWRANK8, "strategy.offload_anchor=true")),
     ("lordo, int4 rounds", ('strategy.name="lordo"', 'strategy.compress="int4"')),
     ("lordo, int4 rounds, sync_delay 1", ('strategy.name="lordo"', 'strategy.compress="int4"', "strategy.sync_delay=1")),
     ("lordo --lean, int4 rounds (residual folded)", ('strategy.name="lordo"', 'strategy.memory="lean"', 'strategy.compress="int4"')),

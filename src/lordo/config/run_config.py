@@ -102,7 +102,8 @@ class Config:
                 object.__setattr__(s, key, value)
 
     def _check_storage(self) -> None:
-        """How the state is stored (anchor_dtype, moments_dtype, error_feedback_dtype): where each applies."""
+        """How the state is stored (anchor_dtype, moments_dtype, lowrank_moments_dtype, error_feedback_dtype): where
+        each applies."""
         s = self.strategy
         if s.anchor_dtype != "float32":
             if s.name in ("ddp", "lowrank-ddp"):
@@ -122,6 +123,20 @@ class Config:
             if s.average_error_feedback:
                 raise ConfigError(f"strategy.average_error_feedback averages E in place, which error_feedback_dtype = "
                                   f"{s.error_feedback_dtype!r} holds compact: use float32 or bfloat16 with it")
+        if s.lowrank_moments_dtype != "float32":
+            if s.name not in LOWRANK_OPTIMIZER:
+                raise ConfigError(f"strategy.lowrank_moments_dtype = {s.lowrank_moments_dtype!r} applies to LoRDO's inner "
+                                  f"optimizer ({', '.join(LOWRANK_OPTIMIZER)}); {s.name!r} has no low-rank moments")
+            if self.optim.inner == "muon":
+                raise ConfigError("strategy.lowrank_moments_dtype holds Adam's low-rank moments compact; LoRDO's Muon "
+                                  "form (optim.inner = \"muon\") keeps its momentum in float32: leave it float32")
+            if self.optim.compile_step:
+                raise ConfigError("strategy.lowrank_moments_dtype = \"int8\" steps each matrix alone; optim.compile_step "
+                                  "= true compiles the batched step: leave it false")
+            if s.sync_delay:
+                raise ConfigError("strategy.lowrank_moments_dtype = \"int8\" with sync_delay > 0 is not supported (a "
+                                  "round in flight holds the moments it sent as float32 tensors): use sync_delay = 0 or "
+                                  "lowrank_moments_dtype = \"float32\"")
         if s.moments_dtype != "float32" and s.average_moments == "all":
             raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
                               "moments_dtype = \"int8\" holds compact: use average_moments = auto or lowrank")

@@ -296,6 +296,11 @@ class StrategyConfig(_Section):
                             "LoRDO's inner optimizer (lordo, lordo-global-noqh, lordo-local, lowrank-ddp): float32 or int8 "
                             "(8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; tensors under 4,096 "
                             "elements stay float32)", _choice("float32", "int8"))
+    lowrank_moments_dtype: str = _f("float32", "storage of the low-rank matrices' Adam moments (u and v, r per row) "
+                                    "in LoRDO's inner optimizer: float32 or int8 (as moments_dtype; each matrix is then "
+                                    "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "
+                                    "float32). Not part of memory = lean until its perplexity gate has run; Adam's form "
+                                    "only, and not with sync_delay", _choice("float32", "int8"))
     anchor_dtype: str = _f("float32", "storage of the anchor (the model at the last synchronisation, local-update "
                            "strategies): float32, bfloat16 or int8 (with plain averaging the new model is computed in "
                            "float32 and the anchor's rounding never reaches it; docs/concepts.md)",

@@ -4,12 +4,14 @@ A mixin: the optimizer's state, groups and planner are :class:`LowRankQHAdam`'s.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import feedback
+from .compact_step import ROTATED
 from .lowrank import rotate_moments
 from .state import init_lowrank
 from .subspace import Side, grad_of, side_of, subspace_iteration_basis, svd_basis
@@ -31,6 +33,9 @@ class BasisMethods:
         def _group_of(self, p: torch.Tensor) -> dict: ...
 
         def whole(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor: ...
+
+        def _expanded(self, group: dict, p: torch.Tensor, keys: tuple[str, ...] | None = None,
+                      salt: int = 0) -> contextlib.AbstractContextManager: ...
 
     def compute_basis(self, p: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor | None:
         """The new basis of ``p`` from ``matrix`` (same shape; for a sharded parameter, this rank's shard of it:
@@ -59,7 +64,8 @@ class BasisMethods:
             return
         self._bases_changed = True
         feedback.settle(state, side)  # E in the old basis
-        self._rotate(state, group, new, side)
+        with self._expanded(group, p, ("exp_avg", "exp_avg_sq"), ROTATED):  # moments held compact: in float32
+            self._rotate(state, group, new, side)
         state["basis"].copy_(new)
 
     def _rotate(self, state: dict, group: dict, new: torch.Tensor, side: Side) -> None:

@@ -18,10 +18,13 @@ import torch
 
 from . import compact
 from .sharded import local
-from .state import compact_formats
+from .state import compact_formats, entry_shapes
 from .subspace import grad_of
 
 CHUNK = 1 << 20  # elements of a full-rank tensor stepped at once (a multiple of every format's block)
+# salts of the roundings outside a step (a step's chunks are 0, 1, ...): moments averaged at a synchronisation,
+# and rotated into a new basis
+AVERAGED, ROTATED = 4001, 4002
 
 Update = Callable[[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], None]
 
@@ -40,14 +43,16 @@ def seed(position: int, step: int, chunk: int = 0) -> int:
 
 
 @contextlib.contextmanager
-def expanded(state: dict, group: dict, p: torch.Tensor, position: int) -> Iterator[None]:
-    """``p``'s compact state entries as float32 tensors inside the block (stored compact again after it)."""
-    formats = {k: f for k, f in compact_formats(group, p).items() if compact.is_compact(state, k)}
+def expanded(state: dict, group: dict, p: torch.Tensor, position: int, keys: tuple[str, ...] | None = None,
+             salt: int = 0) -> Iterator[None]:
+    """``p``'s compact state entries (those of ``keys``, default all) as float32 tensors inside the block (stored
+    compact again after it). ``salt`` tells apart the roundings of one step (a synchronisation's from the step's)."""
+    formats = {k: f for k, f in compact_formats(group, p).items()
+               if compact.is_compact(state, k) and (keys is None or k in keys)}
     if not formats:
         yield
         return
-    shape = tuple(local(p).shape)
-    with compact.expanded(state, formats, dict.fromkeys(formats, shape), seed(position, int(state["step"]))):
+    with compact.expanded(state, formats, entry_shapes(group, p), seed(position, int(state["step"]), salt)):
         yield
 
 

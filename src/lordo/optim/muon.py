@@ -131,6 +131,10 @@ class LowRankMuon(LowRankQHAdam):
                 del self.param_groups[count:]
                 raise ValueError("LowRankMuon does not take parameters sharded by FSDP2: Newton–Schulz needs every "
                                  "row of a matrix; use LowRankQHAdam (lordo's default inner optimizer)")
+            if group["rank"] is not None and group.get("lowrank_moments_dtype"):
+                del self.param_groups[count:]
+                raise ValueError(f"lowrank_moments_dtype={group['lowrank_moments_dtype']!r} holds Adam's low-rank "
+                                 "moments compact; LowRankMuon keeps its momentum in float32: leave it out")
             if group["rank"] is not None:
                 group["betas"] = (self.muon.momentum, group["betas"][1])
 

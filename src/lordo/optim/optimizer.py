@@ -15,8 +15,9 @@ kept plans in ``plan.py``; the Muon form, a subclass, in ``muon.py``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -75,7 +76,10 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
     term; with it the term applies (1 − ω)·E of the error feedback every step, which ``keep`` leaves in E
     too (E then sums every dropped gradient while a basis stays and can grow without bound) and ``remove``
     takes out. ``error_feedback_dtype``: dtype of E (default: the parameter's); bfloat16 halves it, while
-    A is still formed in the parameter's precision. State is tensors, bool flags and floats only, so ``state_dict()``
+    A is still formed in the parameter's precision; ``"int8"`` / ``"int4"`` hold E in blocks of 8 / 4-bit codes with a
+    scale each (optim/compact.py). ``moments_dtype = "int8"`` holds the full-rank groups' moments so, and
+    ``lowrank_moments_dtype = "int8"`` the low-rank matrices' u and v (each matrix then stepped alone, its state
+    expanded to float32 meanwhile; the Adam form only). State is tensors, bool flags and floats only, so ``state_dict()``
     loads with ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups``.
 
     ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
@@ -116,6 +120,7 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
         scale: float = 1.0,
         proj_type: str = "std",
         moments_dtype: str | None = None,
+        lowrank_moments_dtype: str | None = None,
         *,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -130,6 +135,7 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
             basis_iterations=basis_iterations, batched=batched, compile=compile, lowrank_term=lowrank_term,
             # GaLore's keys (options.py): as defaults for every group too
             update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, moments_dtype=moments_dtype,
+            lowrank_moments_dtype=lowrank_moments_dtype,
             # torch.optim's flags, checked by name (options.TORCH_FLAGS): foreach is a no-op (multi-tensor ops are
             # used anyway), the others are refused unless off
             foreach=foreach, fused=fused, maximize=maximize, capturable=capturable, differentiable=differentiable,
@@ -222,7 +228,7 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
             plain = [i for i in positions if not compact_formats(group, params[i])]
             for i in positions:  # compact error feedback: one matrix at a time, E in float32 only meanwhile
                 if i not in plain:
-                    with self._expanded(group, params[i]):
+                    with self._expanded(group, params[i], ("error_feedback",)):
                         (out[i],) = self._project_each(group, [params[i]])
             if plain:
                 for i, g in zip(plain, self._project_each(group, [params[i] for i in plain])):
@@ -235,9 +241,22 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
         return feedback.project_each(lists.grads, lists.states, [s["basis"] for s in lists.states], lists.sides,
                                      [feedback.keeps_inside(group)] * len(params), defer)
 
-    def _expanded(self, group: dict, p: torch.Tensor):
-        """``p``'s compact state in float32 inside the block (optim/compact_step.py)."""
-        return compact_step.expanded(self.state[p], group, p, self._position(p))
+    def _expanded(self, group: dict, p: torch.Tensor, keys: tuple[str, ...] | None = None, salt: int = 0):
+        """``p``'s compact state (its entries ``keys``, default all) in float32 inside the block
+        (optim/compact_step.py)."""
+        return compact_step.expanded(self.state[p], group, p, self._position(p), keys, salt)
+
+    @contextlib.contextmanager
+    def moments_expanded(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Inside the block, the moments of ``params`` held compact (``lowrank_moments_dtype``, ``moments_dtype``) are
+        float32 tensors in their state, which a strategy may read and change (averaging them over the workers); held
+        compact again after it."""
+        with contextlib.ExitStack() as stack:
+            for p in params:
+                if p in self.state:
+                    stack.enter_context(self._expanded(self._group_of(p), p, ("exp_avg", "exp_avg_sq"),
+                                                       compact_step.AVERAGED))
+            yield
 
     @torch.no_grad()
     def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
@@ -357,8 +376,9 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
         """torch's ``load_state_dict``, keeping each state tensor's saved dtype: torch casts them to their
         parameter's, which would round float32 bases and moments of a bf16 matrix to bf16 and turn a bf16
         error-feedback buffer into float32. How the step runs (``batched``, ``compile``) and how the state is stored
-        (``error_feedback_dtype``, ``moments_dtype``) stay this optimizer's choice, not the saved one's: a checkpoint
-        from a GPU run loads on a CPU as it was built there, and a float32 state into a compact one (or back)."""
+        (``error_feedback_dtype``, ``moments_dtype``, ``lowrank_moments_dtype``) stay this optimizer's choice, not
+        the saved one's: a checkpoint from a GPU run loads on a CPU as it was built there, and a float32 state into a
+        compact one (or back)."""
         how = [{key: g[key] for key in (*EXECUTION, *STORAGE)} for g in self.param_groups]
         state_dict = tensor_steps(state_dict)
         super().load_state_dict(state_dict)

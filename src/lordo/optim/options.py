@@ -14,7 +14,7 @@ BASIS_METHODS = ("svd", "subspace")
 LOWRANK_TERMS = ("adam", "momentum")
 GALORE_PROJ_TYPES = ("std",)
 EXECUTION = ("batched", "compile")  # group options that choose how the step runs, not what it computes
-STORAGE = ("error_feedback_dtype", "moments_dtype")  # group options that choose how the state is stored
+STORAGE = ("error_feedback_dtype", "moments_dtype", "lowrank_moments_dtype")  # group options that choose how the state is stored
 
 # torch.optim's flags: what they ask for is refused by name where this optimizer does not do it (its kernels are
 # chosen by the group options batched / compile), accepted where it is a no-op
@@ -99,7 +99,8 @@ MOMENTS_DTYPES = (None, "float32", "int8")
 
 
 def _check_storage(group: dict) -> None:
-    """``error_feedback_dtype`` and ``moments_dtype``: how E and the full-rank moments are stored."""
+    """``error_feedback_dtype``, ``moments_dtype`` and ``lowrank_moments_dtype``: how E, the full-rank moments and the
+    low-rank moments are stored."""
     ef = group.setdefault("error_feedback_dtype", None)
     if ef not in EF_DTYPES:
         raise ValueError(f"error_feedback_dtype must be one of None, torch.float32, torch.float64, torch.bfloat16, "
@@ -109,6 +110,15 @@ def _check_storage(group: dict) -> None:
         raise ValueError(f"moments_dtype must be None, 'float32' or 'int8' (the full-rank groups' Adam moments), got {moments!r}")
     if moments == "float32":
         group["moments_dtype"] = None
+    lowrank = group.setdefault("lowrank_moments_dtype", None)
+    if lowrank not in MOMENTS_DTYPES:
+        raise ValueError(f"lowrank_moments_dtype must be None, 'float32' or 'int8' (the low-rank matrices' moments), "
+                         f"got {lowrank!r}")
+    if lowrank == "float32":
+        group["lowrank_moments_dtype"] = None
+    if lowrank == "int8" and group.get("compile"):
+        raise ValueError("lowrank_moments_dtype='int8' steps each matrix alone (its moments expanded meanwhile): "
+                         "compile=True compiles the batched step; leave compile=False")
     if isinstance(ef, str) and group.get("compile"):
         raise ValueError(f"error_feedback_dtype={ef!r} steps each matrix alone (its E expanded meanwhile): compile=True "
                          "compiles the batched step; leave compile=False")
@@ -129,5 +139,6 @@ def runs_batched(group: dict, p: torch.Tensor, sharded: bool) -> bool:
     when compiled); never for a sharded matrix or compact error feedback (stepped one matrix at a time)."""
     choice = group.get("batched")  # absent in state dicts saved before it existed
     default = p.device.type != "cpu" or bool(group.get("compile"))
-    compact = isinstance(group.get("error_feedback_dtype"), str) and group["error_feedback"]
+    compact = (isinstance(group.get("error_feedback_dtype"), str) and group["error_feedback"]) or bool(
+        group.get("lowrank_moments_dtype"))
     return (default if choice is None else choice) and not sharded and not compact

@@ -71,14 +71,36 @@ def ef_format(group: dict) -> compact.Format | None:
     return compact.BY_NAME[dtype] if isinstance(dtype, str) else None
 
 
+# low-rank moments are r entries per row or column: a 128-wide matrix's at r = 16 are 2,048, worth holding compact
+MIN_COMPACT_MOMENT_NUMEL = 1024
+
+
+def moment_shape(p: torch.Tensor, rank: int) -> tuple[int, int]:
+    """The shape of low-rank matrix ``p``'s moments at ``rank`` (this rank's shard's, when sharded)."""
+    weight = local(p)
+    return (weight.shape[0], rank) if side_of(p.shape) == Side.RIGHT else (rank, weight.shape[1])
+
+
 def compact_formats(group: dict, p: torch.Tensor) -> dict[str, compact.Format]:
     """The state entries of ``p`` that ``group`` holds compact (none for tensors too small to gain)."""
-    if not compact.worth_compacting(local(p).numel()):
-        return {}
     if group["rank"] is None:
-        return dict(MOMENT_FORMATS) if group.get("moments_dtype") == "int8" else {}
+        wanted = group.get("moments_dtype") == "int8" and compact.worth_compacting(local(p).numel())
+        return dict(MOMENT_FORMATS) if wanted else {}
+    out: dict[str, compact.Format] = {}
+    rows, cols = moment_shape(p, group["rank"])
+    if group.get("lowrank_moments_dtype") == "int8" and rows * cols >= MIN_COMPACT_MOMENT_NUMEL:
+        out.update(MOMENT_FORMATS)
     fmt = ef_format(group)
-    return {"error_feedback": fmt} if fmt is not None and group["error_feedback"] else {}
+    if fmt is not None and group["error_feedback"] and compact.worth_compacting(local(p).numel()):
+        out["error_feedback"] = fmt
+    return out
+
+
+def entry_shapes(group: dict, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+    """The shape of each state entry of ``p`` that can be held compact."""
+    shape = tuple(local(p).shape)
+    moments = moment_shape(p, group["rank"]) if group["rank"] is not None else shape
+    return {"exp_avg": moments, "exp_avg_sq": moments, "error_feedback": shape}
 
 
 def init_full_rank(state: dict, p: torch.Tensor, group: dict | None = None) -> None:
@@ -94,19 +116,22 @@ def init_full_rank(state: dict, p: torch.Tensor, group: dict | None = None) -> N
 
 
 def init_lowrank(state: dict, p: torch.Tensor, group: dict, basis: torch.Tensor, second_moment: bool = True) -> None:
-    r = group["rank"]
-    side, p = side_of(p.shape), local(p)  # a shard's state is its rows (right side) or columns (left)
-    shape = (p.shape[0], r) if side == Side.RIGHT else (r, p.shape[1])
+    param, formats = p, compact_formats(group, p)
+    shape = moment_shape(p, group["rank"])  # a shard's state is its rows (right side) or columns (left)
+    p = local(p)
     state["step"] = torch.zeros((), dtype=torch.float32)
     state["basis"] = basis.to(device=p.device, dtype=torch.float32).clone()  # never alias the caller's tensor
     # low-rank moments are small (r per row): float32 even for a bf16/fp16 matrix, where Adam's g² and ε would
     # underflow
     moment_dtype = torch.promote_types(p.dtype, torch.float32)
-    state["exp_avg"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
-    if second_moment:
-        state["exp_avg_sq"] = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+    for key in ("exp_avg", "exp_avg_sq") if second_moment else ("exp_avg",):
+        zeros = torch.zeros(shape, dtype=moment_dtype, device=p.device)
+        if key in formats:
+            compact.store(state, key, zeros, formats[key], seed=0)
+        else:
+            state[key] = zeros
     if group["error_feedback"]:
-        fmt = compact_formats(group, p).get("error_feedback")
+        fmt = compact_formats(group, param).get("error_feedback")
         if fmt is not None:
             compact.store(state, "error_feedback", torch.zeros_like(p, dtype=torch.float32), fmt)
         else:  # float32 for a compact format's tensor too small to gain (optim/compact.py)
@@ -120,7 +145,7 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
     ones expanded where the group keeps float32 (a run resumed with another ``moments_dtype`` or
     ``error_feedback_dtype``; the values carry over, rounded to the new format)."""
     wanted = compact_formats(group, p)
-    shape = tuple(local(p).shape)
+    shapes = entry_shapes(group, p)
     for key in ("exp_avg", "exp_avg_sq", "error_feedback"):
         if key in wanted and key in state and not compact.is_compact(state, key):
             if key == "error_feedback":  # E itself, not a deferred running sum; on a copy (a loaded state can alias
@@ -129,7 +154,7 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
             compact.store(state, key, state[key].float(), wanted[key], seed=0)
         elif key not in wanted and compact.is_compact(state, key):
             fmt = _saved_format(state, key, group)
-            state[key] = compact.load(state, key, fmt, shape)
+            state[key] = compact.load(state, key, fmt, shapes[key])
             state.pop(key + compact.CODES)
             state.pop(key + compact.SCALE)
     dtype = group.get("error_feedback_dtype")
@@ -184,7 +209,8 @@ def state_bytes(groups: Sequence[dict], lowrank_moments: int = 2) -> dict[str, i
                 continue
             r = group["rank"]
             big = p.shape[0] if side_of(param.shape) == Side.RIGHT else p.shape[1]
-            out["lowrank_moments"] += lowrank_moments * big * r * max(itemsize, 4)
+            out["lowrank_moments"] += sum(compact.nbytes(formats[k], big * r) if k in formats else big * r * max(itemsize, 4)
+                                          for k in list(MOMENT_FORMATS)[:lowrank_moments])
             out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
             if group["error_feedback"] and "error_feedback" in formats:
                 out["error_feedback"] += compact.nbytes(formats["error_feedback"], p.numel())

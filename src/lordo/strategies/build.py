@@ -130,6 +130,8 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
         basis_iterations=s.basis_iterations, error_feedback_dtype=ef_dtype(s.error_feedback_dtype),
         moments_dtype=None if s.moments_dtype == "float32" else s.moments_dtype,
     )
+    if s.lowrank_moments_dtype != "float32":  # (config checks refuse it with the Muon form)
+        common["lowrank_moments_dtype"] = s.lowrank_moments_dtype
     if o.inner == "muon":  # LoRDO's Muon form (config checks leave compile_step and lowrank_term at their defaults)
         return LowRankMuon(param_groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
                            adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype),

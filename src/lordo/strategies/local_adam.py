@@ -13,7 +13,8 @@ synchronisation runs behind the next τ local steps and lands merged with them (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -178,14 +179,28 @@ class LocalUpdateStrategy(Strategy):
         return self.synchronise()
 
     def average_moments(self, sync_due: bool) -> None:
-        if self.average == "none":
+        due = [key for key, period in self.moment_periods.items()
+               if ((self.steps_done % period == 0) if period else sync_due)]
+        if self.average == "none" or not due:
             return
-        for key, period in self.moment_periods.items():
-            if (self.steps_done % period == 0) if period else sync_due:
+        with self.moments_open():
+            for key in due:
                 moments = self.worker_moments(key)
                 if moments[0]:
                     # compressed moments need no error feedback: they are running averages, not sums to deliver
                     average(self.comm, moments, key, self.codecs[key])
+
+    @contextlib.contextmanager
+    def moments_open(self) -> Iterator[None]:
+        """Inside the block, the averaged parameters' moments that an optimizer holds compact (LoRDO's
+        ``lowrank_moments_dtype``) are float32 tensors in its state (:meth:`worker_moments` reads and averages them);
+        stored compact again after it."""
+        with contextlib.ExitStack() as stack:
+            for i, w in enumerate(self.workers):
+                opener = getattr(w.optimizer, "moments_expanded", None)
+                if opener is not None:
+                    stack.enter_context(opener(self.averaged_params(i)))
+            yield
 
     def finish(self) -> dict[str, float]:
         stats = self.land() if self.in_flight is not None else {}  # a round in flight lands now

@@ -345,6 +345,7 @@ ADDED_FIELDS = {
     ("strategy", "compress_feedback"): True,  # nothing to feed back without compression: the same either way
     ("strategy", "error_feedback_dtype"): "float32",
     ("strategy", "moments_dtype"): "float32",
+    ("strategy", "lowrank_moments_dtype"): "float32",
     ("strategy", "anchor_dtype"): "float32",
     ("strategy", "compress_residual"): "buffer",
     ("strategy", "memory"): "default",
