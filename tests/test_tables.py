@@ -128,3 +128,10 @@ def test_the_state_column_reads_the_memory_benchs_rows_at_its_shape(folders):
     path.write_text(path.read_text().replace('memory_shape = "micro"', 'memory_shape = "tiny"'))
     with pytest.raises(ConfigError, match="memory_shape must be one of big, micro"):
         write_table(path)
+
+
+def test_a_verdict_that_is_not_an_array_of_tables_is_refused(folders):
+    path = spec(folders)
+    path.write_text(path.read_text().replace("[[verdict]]", "[verdict]"))
+    with pytest.raises(ConfigError, match=r"verdicts are \[\[verdict\]\] tables"):
+        write_table(path)

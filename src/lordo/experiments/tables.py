@@ -109,8 +109,8 @@ class Spec:
         scales, rows = table.get("scales"), raw.get("row")
         if not (isinstance(scales, list) and scales and all(isinstance(s, str) for s in scales)):
             raise ConfigError(f"{self.path}: table.scales must be a list of scale names, got {scales!r}")
-        if not (isinstance(rows, list) and rows):
-            raise ConfigError(f"{self.path}: at least one [[row]] is required")
+        if not (isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows)):
+            raise ConfigError(f"{self.path}: at least one [[row]] table is required")
         self.scales: list[str] = scales
         self.rows: list[dict[str, Any]] = rows
         for i, row in enumerate(self.rows):
@@ -123,7 +123,10 @@ class Spec:
             raise ConfigError(f"{self.path}: table.reference must be one of the row keys ({', '.join(keys)}), "
                               f"got {reference!r}")
         self.reference: str = reference
-        self.verdicts: list[dict[str, Any]] = raw.get("verdict", [])
+        verdicts = raw.get("verdict", [])
+        if not (isinstance(verdicts, list) and all(isinstance(v, dict) for v in verdicts)):
+            raise ConfigError(f"{self.path}: verdicts are [[verdict]] tables (claim, a, b), got {verdicts!r}")
+        self.verdicts: list[dict[str, Any]] = verdicts
         for i, v in enumerate(self.verdicts):
             for side in ("a", "b"):
                 if v.get(side) not in keys:
