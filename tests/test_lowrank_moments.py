@@ -175,3 +175,19 @@ def test_the_optimizer_refuses_other_storages_and_the_muon_form():
 
     with pytest.raises(ValueError, match="LowRankMuon keeps its momentum in float32"):
         LowRankMuon([{"params": [w], "rank": 16}], lowrank_moments_dtype="int8")
+
+
+def test_a_float32_state_loads_into_8_bit_moments_and_back():
+    params, plain = _toy(False)
+    _steps(params, plain, 0, 4)
+    u, v = (m.clone() for m in _moments(plain, params[0]))
+    params8, opt8 = _toy(True)
+    opt8.load_state_dict(plain.state_dict())
+    assert "exp_avg.codes" in opt8.state[params8[0]]  # held as this optimizer's storage asks
+    got_u, got_v = _moments(opt8, params8[0])
+    _within_rounding(got_u, u)
+    _within_rounding(got_v, v, root=True)
+    params32, opt32 = _toy(False)
+    opt32.load_state_dict(opt8.state_dict())
+    assert opt32.state[params32[0]]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt32.state[params32[0]]["exp_avg"], got_u)  # the codes decoded, nothing more lost
