@@ -346,7 +346,7 @@ def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(json.dumps({"train": {"steps": 40}}))
         (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train_s": 6.0 * s}) + "\n" for s in (10, 20, 30)))
-    (folders[0] / "summary.json").write_text(json.dumps({"val_ppl": 41.234}))
+    (folders[0] / "summary.json").write_text(json.dumps({"val_ppl": 41.234, "train_s": 3600.0}))
     (folders[2] / "failed.json").write_text(json.dumps({"returncode": 3, "stderr": "boom"}))
     (folders[3] / "checkpoints" / "step-00000020").mkdir(parents=True)
     (folders[3] / "checkpoints" / "step-00000030.partial").mkdir()  # a save cut short is not a checkpoint
@@ -359,7 +359,10 @@ def test_sweep_status_reads_where_each_point_stands_without_running_anything(tmp
     assert lines[2].split() == ["[3/5]", "failed", "seed-2", "exit", "3", "(failed.json)"]
     assert " ".join(lines[3].split()) == "[4/5] stopped seed-3 step 30 of 40; resumes from its checkpoint at step 20"
     assert lines[4].split() == ["[5/5]", "queued", "seed-4"]
-    assert lines[5] == f"sweep st ({out}): 1 done, 1 running, 1 stopped, 1 failed, 1 queued"
+    # left: the finished point took an hour; seed-1 and seed-3 logged 30 of 40 steps (a quarter left each), seed-4
+    # has not begun (all of it), the failed one is not counted: 0.25 + 0.25 + 1 = 1.5 hours
+    assert lines[5] == (f"sweep st ({out}): 1 done, 1 running, 1 stopped, 1 failed, 1 queued; about 1.5 hours of "
+                        "training left, one point at a time, at the mean pace of its finished points")
     assert sorted(str(p) for p in out.rglob("*")) == sorted([*before, str(folders[1] / ".lock")])  # the lock held here
     # the run ended (its lock file stays, nobody holds it): stopped, resuming from the start (no checkpoint)
     assert main(["sweep", str(f), "--out", str(out), "--status"]) == 0

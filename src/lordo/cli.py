@@ -138,14 +138,17 @@ def _print_summary(s: dict, out: Path) -> None:
 
 def _sweep_status(sweep) -> int:
     """Print where each point of ``sweep`` stands (lordo sweep --status) and the counts; runs nothing."""
-    from .experiments.sweep import sweep_status
+    from .experiments.sweep import minutes_left, sweep_status
 
     rows = sweep_status(sweep)
     width, index = max(len(name) for name, _, _ in rows), len(f"[{len(rows)}/{len(rows)}]")
     for i, (name, status, detail) in enumerate(rows, 1):
         print(f"{f'[{i}/{len(rows)}]':<{index}} {status:<8} {name:<{width}}  {detail}".rstrip())
     counts = {s: sum(1 for _, status, _ in rows if status == s) for s in ("done", "running", "stopped", "failed", "queued")}
-    print(f"sweep {sweep.name} ({sweep.out}): " + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+    left = minutes_left(sweep) if counts["running"] + counts["stopped"] + counts["queued"] else None
+    print(f"sweep {sweep.name} ({sweep.out}): " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+          + ("" if left is None else f"; about {left / 60:.1f} hours of training left, one point at a time, at the "
+             "mean pace of its finished points"))
     return 0
 
 

@@ -40,6 +40,7 @@ import itertools
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -256,6 +257,25 @@ def _time_left(rows: list[dict[str, Any]], steps: int | None) -> str:
     if spent <= 0 or done <= 0:  # a resume restarted the clock between them
         return ""
     return f", about {max(1, round((steps - timed[-1]['step']) * spent / done / 60))} min left"
+
+
+def minutes_left(sweep: Sweep) -> float | None:
+    """Minutes of training the sweep's unfinished points still need, one at a time: each at the mean training time
+    of its finished points (their ``train_s``), less what a begun point has logged; None before any has finished."""
+    spent = [x["train_s"] for p in sweep.points() if (x := read_json(sweep.out / p.name / "summary.json"))
+             and "train_s" in x]
+    if not spent:
+        return None
+    each, left = statistics.mean(spent), 0.0
+    for p in sweep.points():
+        folder = sweep.out / p.name
+        if (folder / "summary.json").exists() or (folder / "failed.json").exists():
+            continue
+        rows = [r for r in read_jsonl(folder / "metrics.jsonl") if "step" in r] if (folder / "metrics.jsonl").exists() else []
+        steps = ((read_json(folder / "config.json") or {}).get("train") or {}).get("steps")
+        done = rows[-1]["step"] / steps if rows and steps else 0.0
+        left += each * max(0.0, 1.0 - done)
+    return left / 60
 
 
 def sweep_status(sweep: Sweep) -> list[tuple[str, str, str]]:
