@@ -117,6 +117,8 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
         "lordo, qh_source=grad": {"qh_source": "grad"},
         "lordo, lean (int8 E, int8 full-rank moments)": {"error_feedback_dtype": "int8", "moments_dtype": "int8"},
         "lordo, int4 E, int8 full-rank moments": {"error_feedback_dtype": "int4", "moments_dtype": "int8"},
+        "lordo, lean and int8 low-rank moments": {"error_feedback_dtype": "int8", "moments_dtype": "int8",
+                                                  "lowrank_moments_dtype": "int8"},
     }
     for label, changes in forms.items():
         out[label] = build(dataclasses.replace(cfg.strategy, **changes))
