@@ -247,15 +247,15 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
         return compact_step.expanded(self.state[p], group, p, self._position(p), keys, salt)
 
     @contextlib.contextmanager
-    def moments_expanded(self, params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """Inside the block, the moments of ``params`` held compact (``lowrank_moments_dtype``, ``moments_dtype``) are
-        float32 tensors in their state, which a strategy may read and change (averaging them over the workers); held
-        compact again after it."""
+    def moments_expanded(self, params: Iterable[torch.Tensor],
+                         keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> Iterator[None]:
+        """Inside the block, the moments ``keys`` of ``params`` held compact (``lowrank_moments_dtype``,
+        ``moments_dtype``) are float32 tensors in their state, which a strategy may read and change (averaging them
+        over the workers); held compact again after it."""
         with contextlib.ExitStack() as stack:
             for p in params:
                 if p in self.state:
-                    stack.enter_context(self._expanded(self._group_of(p), p, ("exp_avg", "exp_avg_sq"),
-                                                       compact_step.AVERAGED))
+                    stack.enter_context(self._expanded(self._group_of(p), p, keys, compact_step.AVERAGED))
             yield
 
     @torch.no_grad()

@@ -14,7 +14,8 @@ BASIS_METHODS = ("svd", "subspace")
 LOWRANK_TERMS = ("adam", "momentum")
 GALORE_PROJ_TYPES = ("std",)
 EXECUTION = ("batched", "compile")  # group options that choose how the step runs, not what it computes
-STORAGE = ("error_feedback_dtype", "moments_dtype", "lowrank_moments_dtype")  # group options that choose how the state is stored
+# group options that choose how the state is stored
+STORAGE = ("error_feedback_dtype", "moments_dtype", "lowrank_moments_dtype")
 
 # torch.optim's flags: what they ask for is refused by name where this optimizer does not do it (its kernels are
 # chosen by the group options batched / compile), accepted where it is a no-op
@@ -136,7 +137,8 @@ def _check_execution(group: dict) -> None:
 
 def runs_batched(group: dict, p: torch.Tensor, sharded: bool) -> bool:
     """Whether the low-rank step of ``p`` takes the batched path: the group's ``batched`` (None: on accelerators, or
-    when compiled); never for a sharded matrix or compact error feedback (stepped one matrix at a time)."""
+    when compiled); never for a sharded matrix or compact error feedback or low-rank moments (stepped one matrix at a
+    time)."""
     choice = group.get("batched")  # absent in state dicts saved before it existed
     default = p.device.type != "cpu" or bool(group.get("compile"))
     compact = (isinstance(group.get("error_feedback_dtype"), str) and group["error_feedback"]) or bool(

@@ -183,7 +183,7 @@ class LocalUpdateStrategy(Strategy):
                if ((self.steps_done % period == 0) if period else sync_due)]
         if self.average == "none" or not due:
             return
-        with self.moments_open():
+        with self.moments_open(tuple(due)):
             for key in due:
                 moments = self.worker_moments(key)
                 if moments[0]:
@@ -191,15 +191,15 @@ class LocalUpdateStrategy(Strategy):
                     average(self.comm, moments, key, self.codecs[key])
 
     @contextlib.contextmanager
-    def moments_open(self) -> Iterator[None]:
-        """Inside the block, the averaged parameters' moments that an optimizer holds compact (LoRDO's
+    def moments_open(self, keys: tuple[str, ...] = MOMENTS) -> Iterator[None]:
+        """Inside the block, the averaged parameters' moments ``keys`` that an optimizer holds compact (LoRDO's
         ``lowrank_moments_dtype``) are float32 tensors in its state (:meth:`worker_moments` reads and averages them);
         stored compact again after it."""
         with contextlib.ExitStack() as stack:
             for i, w in enumerate(self.workers):
                 opener = getattr(w.optimizer, "moments_expanded", None)
                 if opener is not None:
-                    stack.enter_context(opener(self.averaged_params(i)))
+                    stack.enter_context(opener(self.averaged_params(i), keys))
             yield
 
     def finish(self) -> dict[str, float]:
