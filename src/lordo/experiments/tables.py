@@ -45,6 +45,7 @@ from ..files import atomic_write, read_json
 from .runs import mean_std, read_runs, wire_totals
 
 Runs = list[dict[str, Any]]
+_MISSING = object()  # a setting a run does not record
 
 
 def _setting(run: dict[str, Any], key: str) -> Any:
@@ -52,9 +53,6 @@ def _setting(run: dict[str, Any], key: str) -> Any:
         return run["values"][key]
     section, _, name = key.partition(".")
     return (run["config"].get(section) or {}).get(name, _MISSING)
-
-
-_MISSING = object()
 
 
 def _equal(a: Any, b: Any) -> bool:
