@@ -133,10 +133,6 @@ class Config:
             if self.optim.compile_step:
                 raise ConfigError("strategy.lowrank_moments_dtype = \"int8\" steps each matrix alone; optim.compile_step "
                                   "= true compiles the batched step: leave it false")
-            if s.sync_delay:
-                raise ConfigError("strategy.lowrank_moments_dtype = \"int8\" with sync_delay > 0 is not supported (a "
-                                  "round in flight holds the moments it sent as float32 tensors): use sync_delay = 0 or "
-                                  "lowrank_moments_dtype = \"float32\"")
         if s.moments_dtype != "float32" and s.average_moments == "all":
             raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
                               "moments_dtype = \"int8\" holds compact: use average_moments = auto or lowrank")

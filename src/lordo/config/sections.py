@@ -300,7 +300,7 @@ class StrategyConfig(_Section):
                                     "in LoRDO's inner optimizer: float32 or int8 (as moments_dtype; each matrix is then "
                                     "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "
                                     "float32). Not part of memory = lean until its perplexity gate has run; Adam's form "
-                                    "only, and not with sync_delay", _choice("float32", "int8"))
+                                    "only", _choice("float32", "int8"))
     anchor_dtype: str = _f("float32", "storage of the anchor (the model at the last synchronisation, local-update "
                            "strategies): float32, bfloat16 or int8 (with plain averaging the new model is computed in "
                            "float32 and the anchor's rounding never reaches it; docs/concepts.md)",

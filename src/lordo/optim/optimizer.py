@@ -28,7 +28,7 @@ from .functional import lowrank_qh_adam, qh_adam_update_many
 from .options import EXECUTION, STORAGE, check_group
 from .plan import Planner
 from .sharded import local, whole
-from .state import Lists, compact_formats, conform, ensure_state, group_lists, restore_saved_dtypes, state_bytes, tensor_steps
+from .state import Lists, compact_formats, conform, ensure_state, entry_shapes, group_lists, restore_saved_dtypes, state_bytes, tensor_steps
 from .subspace import side_of
 
 
@@ -257,6 +257,16 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
                 if p in self.state:
                     stack.enter_context(self._expanded(self._group_of(p), p, keys, compact_step.AVERAGED))
             yield
+
+    @torch.no_grad()
+    def moment_copy(self, p: torch.Tensor, key: str) -> torch.Tensor | None:
+        """``p``'s moment ``key`` (this rank's shard of it) as a new float32 tensor, decoded where it is held
+        compact; None where ``p`` has no such moment (yet). Reading it changes nothing."""
+        state = self.state.get(p, {})
+        if is_compact(state, key):
+            group = self._group_of(p)
+            return compact.load(state, key, compact_formats(group, p)[key], entry_shapes(group, p)[key])
+        return local(state[key]).clone() if key in state else None
 
     @torch.no_grad()
     def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:

@@ -23,6 +23,7 @@ landing. The two float32 copies of the model's size become two of the codec's (a
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -50,7 +51,16 @@ class Overlapped(Protocol):
     steps_done: int
 
     def worker_moments(self, key: str) -> Lists:
-        """Each hosted worker's optimizer moments ``key`` of its averaged parameters (live tensors)."""
+        """Each hosted worker's optimizer moments ``key`` of its averaged parameters (live tensors; those held
+        compact only inside :meth:`moments_open`)."""
+        ...
+
+    def worker_moment_copies(self, key: str) -> Lists:
+        """The same moments as new float32 tensors (decoded where held compact)."""
+        ...
+
+    def moments_open(self, keys: tuple[str, ...]) -> contextlib.AbstractContextManager:
+        """The moments ``keys`` held compact as float32 tensors in the optimizers' state inside the block."""
         ...
 
     def averaged_params(self, worker: int) -> list[torch.Tensor]: ...
@@ -183,9 +193,9 @@ def start_round(s: Overlapped, moment_keys: tuple[str, ...]) -> RoundInFlight:
     own = [s.anchor.own(w.tensors) for w in s.workers]
     moments = {}
     for key in moment_keys:
-        live = s.worker_moments(key)
-        if live[0]:
-            moments[key] = ([[m.clone() for m in ms] for ms in live], [[m.clone() for m in ms] for ms in live])
+        sent = s.worker_moment_copies(key)
+        if sent[0]:
+            moments[key] = (sent, [[m.clone() for m in ms] for ms in sent])
     codecs, fold = s.codecs, s.fold_residuals
     shard_residuals = [w.shard_residual for w in s.workers if w.shard_residual is not None] or None
     if s.coded_rounds():  # the float32 Δ let go once encoded
@@ -216,12 +226,13 @@ def land_round(s: Overlapped, r: RoundInFlight) -> dict[str, float]:
     """Apply round ``r`` to strategy ``s``, merged with the local steps taken since it started."""
     r.wait()
     delay = s.steps_done - r.sent_at
-    for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
-        beta, moments = (0 if key == "exp_avg" else 1), s.worker_moments(key)
-        for i, w in enumerate(s.workers):
-            betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
-            for p, at_send, m, live in zip(s.averaged_params(i), sent[i], means[i], moments[i]):
-                live.add_(m - at_send, alpha=betas[id(p)] ** delay)
+    with s.moments_open(tuple(r.moments)):
+        for key, (sent, means) in r.moments.items():  # the averages replayed through the τ steps' decay
+            beta, moments = (0 if key == "exp_avg" else 1), s.worker_moments(key)
+            for i, w in enumerate(s.workers):
+                betas = {id(p): g["betas"][beta] for g in w.optimizer.param_groups for p in g["params"]}
+                for p, at_send, m, live in zip(s.averaged_params(i), sent[i], means[i], moments[i]):
+                    live.add_(m - at_send, alpha=betas[id(p)] ** delay)
     captured_now = s.round_input()  # this step's, for the round it starts (τ = K): kept aside
     s.restore_round_input(r.basis_input)
     stats = s.apply_round(r.mean_delta(), r.own_deltas() if delay else None)

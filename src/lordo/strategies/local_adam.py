@@ -240,6 +240,18 @@ class LocalUpdateStrategy(Strategy):
         return [[local(s[key]) for p in self.averaged_params(i) if key in (s := w.optimizer.state[p])]
                 for i, w in enumerate(self.workers)]
 
+    def _moment_copies(self, worker: int, key: str) -> list[torch.Tensor]:
+        w = self.workers[worker]
+        copy = getattr(w.optimizer, "moment_copy", None)
+        if copy is None:  # a torch optimizer: its moments as they are
+            return [local(s[key]).clone() for p in self.averaged_params(worker) if key in (s := w.optimizer.state[p])]
+        return [m for p in self.averaged_params(worker) if (m := copy(p, key)) is not None]
+
+    def worker_moment_copies(self, key: str) -> list[list[torch.Tensor]]:
+        """Each hosted worker's moments ``key`` of its averaged parameters as new float32 tensors (those an optimizer
+        holds compact, decoded), in :meth:`worker_moments`' order; reading them changes nothing."""
+        return [self._moment_copies(i, key) for i in range(len(self.workers))]
+
     def mirror_round(self, kind: str, resume_at: int) -> None:
         # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway
         self.steps_done = resume_at
@@ -386,7 +398,8 @@ class LocalUpdateStrategy(Strategy):
         if outer:
             out["outer_optimizer"] = outer
         if self.sync_delay:  # held while a round is in flight: the pseudo-gradient sent and its mean, moments too
-            moments = [t for key in MOMENTS for t in self.worker_moments(key)[0]] if self.average != "none" else []
+            # (float32 copies, of the compact moments too: the worker's first, without reading the others')
+            moments = [t for key in MOMENTS for t in self._moment_copies(0, key)] if self.average != "none" else []
             deltas = 2 * tensor_bytes(self.workers[0].tensors)
             if self.coded_rounds():  # as codes: one payload per shard sent, one per shard received
                 codec, world = self.codecs["pseudo_gradient"], self.comm.world_size
