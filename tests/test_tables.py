@@ -135,3 +135,11 @@ def test_a_verdict_that_is_not_an_array_of_tables_is_refused(folders):
     path.write_text(path.read_text().replace("[[verdict]]", "[verdict]"))
     with pytest.raises(ConfigError, match=r"verdicts are \[\[verdict\]\] tables"):
         write_table(path)
+
+
+def test_a_claim_whose_rows_are_not_both_at_a_scale_is_left_out_there(folders):
+    path = spec(folders)
+    text = path.read_text().replace('large = { runs = ["l"], where = { "strategy.name" = "lordo" } }\n', "")
+    path.write_text(text)
+    verdict = next(line for line in write_table(path).splitlines() if line.startswith("| lordo beats ddp"))
+    assert verdict.endswith("| +10.0 % / +19.0 % (ddp ahead) | – | one scale only |")

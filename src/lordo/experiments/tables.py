@@ -30,7 +30,8 @@ value (the sweep's point, else its config.json; a setting a run does not record 
 row's runs tried, the best is the lowest mean perplexity over the seeds that every rate ran (the probes' seed);
 the cell gives all of that rate's seeds. A verdict gives, at each scale, a's perplexity against b's seed by seed
 (each at its best rate) and says which is ahead on every seed, or ``split``; across the scales it ``holds``
-(ahead in the same direction at both), ``flips`` (opposite) or is ``open`` (split, or not run, at one of them).
+(ahead in the same direction at both), ``flips`` (opposite) or is ``open`` (split, or not run, at one of them);
+a claim whose rows are not both named at a scale is left out there (``–``).
 """
 
 from __future__ import annotations
@@ -253,9 +254,13 @@ def _verdicts(spec: Spec, bests: dict[tuple[str, str], Runs]) -> list[str]:
     head = ["claim", *(f"a against b, {s}" for s in spec.scales), "verdict"]
     lines = ["Each claim's a against b, seed by seed (each at its best rate; negative: a's perplexity lower).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = {row["key"]: row for row in spec.rows}
     for v in spec.verdicts:
         cells, directions = [f"{v['claim']} (a: {v['a']}, b: {v['b']})"], []
         for s in spec.scales:
+            if rows[v["a"]].get(s) is None or rows[v["b"]].get(s) is None:  # not part of that scale's table
+                cells.append("–")
+                continue
             a, b = bests.get((v["a"], s)), bests.get((v["b"], s))
             diffs = _paired(a, b) if a and b else {}
             direction = _direction(diffs)
@@ -271,6 +276,8 @@ def _verdicts(spec: Spec, bests: dict[tuple[str, str], Runs]) -> list[str]:
 
 
 def _across(directions: list[str | None]) -> str:
+    if len(directions) < 2:
+        return "one scale only"
     if any(d is None for d in directions):
         return "open (not run at every scale)"
     if "split" in directions:
