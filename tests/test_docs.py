@@ -249,16 +249,3 @@ def test_every_bench_option_says_what_it_does():
                for action in bench._actions if action.option_strings and action.help in (None, "")]
     assert not missing, missing
 
-
-def test_the_readme_table_and_the_two_scale_verdicts_are_what_the_runs_say():
-    """README's results table and docs/results.md's verdicts are `lordo report --table results/strategies.toml`'s,
-    line for line: a finished run changes them only through that command."""
-    from lordo.experiments.tables import write_table
-
-    generated = [line for line in write_table(ROOT / "results" / "strategies.toml").splitlines() if line.startswith("| ")]
-    claims = generated.index(next(line for line in generated if line.startswith("| claim |")))
-    readme, results = (ROOT / "README.md").read_text(), (ROOT / "docs" / "results.md").read_text()
-    stale = [line for line in generated[:claims] if line not in readme.splitlines()]
-    stale += [line for line in generated[claims:] if line not in results.splitlines()]
-    assert not stale, ("out of date (run lordo report --table results/strategies.toml and copy its tables): "
-                       + "\n".join(stale))

@@ -1,9 +1,11 @@
-"""Write docs/cli.md and docs/api.md from the code (argparse help, config descriptions, docstrings).
+"""Write docs/cli.md and docs/api.md from the code (argparse help, config descriptions, docstrings), and the results
+tables from the runs: results/strategies.md (`lordo report --table results/strategies.toml`) and its two tables in
+README.md (the results table) and docs/results.md (the verdicts at two scales).
 
-    python tools/gen_docs.py            # rewrite both files
-    python tools/gen_docs.py --check    # exit 1 if either file differs from what the code says
+    python tools/gen_docs.py            # rewrite them
+    python tools/gen_docs.py --check    # exit 1 if any file differs from what the code and the runs say
 
-The test suite runs the check, so the references cannot drift from the code.
+The test suite runs the check, so the references cannot drift from the code, nor the tables from the runs.
 """
 
 from __future__ import annotations
@@ -109,12 +111,41 @@ def _doc(obj) -> str:
     return doc if doc else "(no docstring)"
 
 
+SPEC = "results/strategies.toml"
+TABLES = {"README.md": "| strategy |", "docs/results.md": "| claim |"}  # page -> the first cell of its table
+
+
+def results_tables() -> dict[Path, str]:
+    """results/strategies.md as `lordo report --table` writes it, and README.md and docs/results.md with their copy
+    of its table (the block of lines starting with the table's header) replaced."""
+    from lordo.experiments.tables import Spec, render
+
+    generated = "\n".join(render(Spec(ROOT / SPEC), f"lordo report --table {SPEC} --out results/strategies.md")) + "\n"
+    out = {ROOT / "results" / "strategies.md": generated}
+    for page, head in TABLES.items():
+        text = (ROOT / page).read_text()
+        out[ROOT / page] = _replace_block(text, _block(generated, head), head)
+    return out
+
+
+def _block(text: str, head: str) -> str:
+    start = text.index("\n" + head) + 1
+    end = text.find("\n\n", start)
+    return text[start:end if end >= 0 else len(text)].rstrip("\n")
+
+
+def _replace_block(text: str, block: str, head: str) -> str:
+    old = _block(text, head)
+    return text.replace(old, block, 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on a difference")
     args = ap.parse_args()
     stale = []
-    for path, text in ((ROOT / "docs" / "cli.md", cli_reference()), (ROOT / "docs" / "api.md", api_reference())):
+    files = {ROOT / "docs" / "cli.md": cli_reference(), ROOT / "docs" / "api.md": api_reference(), **results_tables()}
+    for path, text in files.items():
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(ROOT)))
