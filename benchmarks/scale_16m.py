@@ -5,10 +5,12 @@
 Every configuration of sweeps/scale-16m.toml's setting runs as its own ``lordo train`` process, many at a time
 on one GPU (the runs are small: bound by kernel launches, not by the GPU's arithmetic):
 
-1. probe: each configuration at its best learning rate on micro and at half and twice it, seed 0, PROBE_STEPS
-   steps (warm-up and cosine over those steps); the lowest validation loss picks the rate;
-2. main: each configuration at its picked rate, seed 0 for all first, then seed 1, at 2,000 steps if the probes'
-   measured throughput says the whole main phase fits in what is left of the deadline, else at 1,000.
+1. probe: each configuration that sweeps/scale-16m.toml does not hold yet (the CPU probes picked the rates of
+   those it holds) at its best learning rate on micro and at half and twice it, seed 0, PROBE_STEPS steps
+   (warm-up and cosine over those steps); the lowest validation loss picks the rate;
+2. main: each configuration at its picked rate, seed 0 for all first, then seed 1, in the setting of
+   sweeps/scale-16m.toml's base (1,000 steps, warm-up 100, bfloat16 autocast), so that its runs compare with the
+   CPU table's; ``--main-steps N`` changes the step count.
 
 Each finished run's config.json, metrics.jsonl and summary.json go into OUT_DIR/scale-16m.tar.gz as
 <phase>/<run>/, rewritten after every run, so a stop at the deadline loses only the runs in flight.
@@ -48,6 +50,29 @@ CONFIGS = {
                           'strategy.moments_dtype="int8"']),
 }
 FOLLOWS = {"lordo-lean": "lordo"}  # configurations that take another's picked rate instead of probing
+TABLE = Path(__file__).resolve().parents[1] / "sweeps" / "scale-16m.toml"
+# a configuration's identity in the table's cases: strategy, inner optimizer, compression, rank
+KEYS = ("strategy.name", "optim.inner", "strategy.compress", "strategy.rank")
+
+
+def _identity(overrides: list[str]) -> tuple:
+    given = dict(o.split("=", 1) for o in overrides)
+    defaults = {"optim.inner": '"auto"', "strategy.compress": '"none"', "strategy.rank": "16"}
+    return tuple(json.loads({**defaults, **given}.get(k, "null")) for k in KEYS)
+
+
+def table_setting() -> tuple[dict[tuple, float], list[str], int]:
+    """The CPU table's picked rate of each configuration it holds, its base settings as overrides (the device and
+    threads left to this script), and its step count."""
+    from lordo.config import tomllib
+
+    table = tomllib.loads(TABLE.read_text())
+    picks = {tuple(c[k] for k in KEYS): float(c["optim.lr"]) for c in table["case"]}
+    base = [f"{section}.{key}={json.dumps(value)}" for section, values in table["base"].items()
+            for key, value in values.items() if key not in ("threads", "device", "checkpoint_every")]
+    return picks, base, int(table["base"]["train"]["steps"])
+
+
 # the setting of every run: paper-16m (d 256, 4 layers, seq 256) at 4 sequences per worker and step, so a worker's
 # step reads 1,024 tokens as micro's 8 x 128 do, and 2,000 steps read the same 8.2M tokens as the micro table
 BASE = ['model.preset="paper-16m"', "train.batch_size=4", "train.eval_every=100", "train.threads=1",
@@ -116,7 +141,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=15, help="probe runs at a time")
     ap.add_argument("--main-jobs", type=int, default=22, help="main runs at a time (default 22: one wave)")
     ap.add_argument("--smoke", action="store_true", help="a few steps of the nano model on the CPU: checks the script")
-    ap.add_argument("--main-steps", type=int, default=0, help="force the main phase's step count (0: chosen)")
+    ap.add_argument("--main-steps", type=int, default=0, help="the main phase's step count (0: the CPU table's)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations")
     args = ap.parse_args()
     global PROBE_STEPS
@@ -132,9 +157,11 @@ def main() -> int:
     configs = {k: CONFIGS[k] for k in args.configs.split(",") if k}
     plan: dict = {"started": start, "probe_steps": PROBE_STEPS, "base": BASE}
 
+    cpu_picks, table_base, table_steps = table_setting()
+    on_cpu = {name: cpu_picks[key] for name, (_, o) in configs.items() if (key := _identity(o)) in cpu_picks}
     probes = []
     for name, (lr, overrides) in configs.items():
-        if name in FOLLOWS:
+        if name in FOLLOWS or name in on_cpu:
             continue
         for factor in (0.5, 1.0, 2.0):
             rate = float(f"{lr * factor:.3g}")
@@ -146,29 +173,25 @@ def main() -> int:
     picked = {}
     for name, (lr, _) in configs.items():
         losses = {k.split("__lr-")[1]: s["val_loss"] for k, s in found.items() if s and k.startswith(name + "__")}
-        picked[name] = float(min(losses, key=losses.get)) if losses else lr
+        picked[name] = on_cpu.get(name, float(min(losses, key=losses.get)) if losses else lr)
         plan.setdefault("probe_losses", {})[name] = losses
     for name, leader in FOLLOWS.items():
         if name in configs:
             picked[name] = picked.get(leader, configs[name][0])
-    plan["picked"] = picked
-    plan["probe_s"] = probe_s
-    finished = sum(1 for s in found.values() if s)
-    # run-steps per second the machine delivered in the probe phase, and what the main phase needs
-    rate = finished * PROBE_STEPS / probe_s if probe_s > 0 and finished else 0.0
-    left = runner.deadline - time.time() - 15
-    need_2000 = len(configs) * 2 * 2000
-    steps = args.main_steps or (2000 if rate and need_2000 <= 0.8 * rate * left else 1000)
+    plan.update(picked=picked, picked_on_cpu=sorted(on_cpu), probe_s=probe_s)
+    if args.smoke:  # the nano model and its evaluations stay
+        table_base = [o for o in table_base if not o.startswith(("model.", "train.eval_every"))]
+    steps = args.main_steps or (6 if args.smoke else table_steps)
     runner.jobs = args.main_jobs
-    plan.update(run_steps_per_s=rate, left_s=left, main_steps=steps)
+    plan.update(main_steps=steps, main_base=table_base)
     (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
     print(json.dumps(plan, indent=1), flush=True)
 
     main_runs = []
     for seed in (0, 1):
         for name, (_, overrides) in configs.items():
-            main_runs.append((f"{name}__seed-{seed}", [*overrides, f"optim.lr={picked[name]}", f"train.steps={steps}",
-                                                       f"schedule.warmup_steps={min(100, steps // 10)}",
+            main_runs.append((f"{name}__seed-{seed}", [*table_base, *overrides, f"optim.lr={picked[name]}",
+                                                       f"train.steps={steps}", f"schedule.warmup_steps={min(100, steps // 10)}",
                                                        f"train.seed={seed}"]))
     runner.many("main", main_runs)
     plan["total_s"] = time.time() - start

@@ -184,3 +184,32 @@ def test_versus_reads_auto_as_what_it_resolves_to_and_counts_a_copied_run_once(t
     run("c", "lordo", "subspace", 4, 0, 40.5)
     with pytest.raises(SystemExit, match="seed 0 twice with different results"):
         versus.collect([str(tmp_path / "a"), str(tmp_path / "c")], "strategy.rank", ["strategy.name"], [])
+
+
+def test_the_gpu_table_script_takes_the_cpu_tables_picks_and_setting(tmp_path, data_dir):
+    """benchmarks/scale_16m.py --smoke (the nano model on the CPU): a configuration that sweeps/scale-16m.toml holds
+    (ddp) takes its picked rate without probing, one it does not hold (lordo-local) is probed at three rates, and the
+    main runs take the table's setting (bfloat16 autocast) so that they compare with the CPU table's."""
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    from lordo.config import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    table = tomllib.loads((root / "sweeps" / "scale-16m.toml").read_text())
+    ddp_rate = next(c["optim.lr"] for c in table["case"] if c["strategy.name"] == "ddp" and c["optim.inner"] == "auto")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/scale_16m.py", str(tmp_path), "--smoke", "--configs",
+                           "ddp,lordo-local", "--deadline-s", "400", "--jobs", "2", "--main-jobs", "2"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["picked_on_cpu"] == ["ddp"] and plan["picked"]["ddp"] == ddp_rate
+    assert len(plan["probe_losses"]["lordo-local"]) == 3 and not plan["probe_losses"]["ddp"]
+    with tarfile.open(tmp_path / "scale-16m.tar.gz") as tar:
+        names = tar.getnames()
+        config = json.load(tar.extractfile("main/ddp__seed-1/config.json"))
+    assert {"main/ddp__seed-0/summary.json", "main/lordo-local__seed-1/summary.json"} <= set(names)
+    assert config["train"]["precision"] == table["base"]["train"]["precision"] and config["optim"]["lr"] == ddp_rate
