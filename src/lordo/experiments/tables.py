@@ -95,6 +95,7 @@ class Spec:
         from ..config import tomllib
 
         self.path = Path(path)
+        self._read: dict[str, Runs] = {}
         try:
             raw = tomllib.loads(self.path.read_text())
         except (OSError, UnicodeDecodeError) as err:
@@ -170,10 +171,15 @@ class Spec:
             return []
         found = []
         for folder in cell["runs"]:
-            root = self.path.parent / folder
-            found += [r for r in (read_runs(root) if root.is_dir() else [])
-                      if all(_equal(_setting(r, k), v) for k, v in cell.get("where", {}).items())]
+            found += [r for r in self._folder(folder) if all(_equal(_setting(r, k), v) for k, v in cell.get("where", {}).items())]
         return found
+
+    def _folder(self, name: str) -> Runs:
+        """A results folder's finished runs, read once (rows share folders)."""
+        if name not in self._read:
+            root = self.path.parent / name
+            self._read[name] = read_runs(root) if root.is_dir() else []
+        return self._read[name]
 
 
 def _ppl_cell(best: Runs, reference: float | None) -> str:
