@@ -5,17 +5,16 @@ import io
 
 import pytest
 import torch
+from test_memory import build
+from test_memory import train as _train
 
-from lordo.comm import SimCommunicator
 from lordo.errors import ConfigError
-from lordo.model import group_parameters
 from lordo.optim import LowRankQHAdam, compact
 from lordo.optim.lowrank import rotate_moments
 from lordo.optim.state import moment_shape
 from lordo.optim.subspace import side_of
-from lordo.strategies import build_strategy
 
-from harness import assert_simulator_equals_gloo, batch, strategy_config, tiny_model
+from harness import assert_simulator_equals_gloo, strategy_config, tiny_model
 
 INT8 = ['strategy.lowrank_moments_dtype="int8"', "strategy.rank=16"]
 
@@ -96,22 +95,8 @@ def test_a_new_basis_rotates_the_decoded_moments_as_float64_would_rounded_once()
     _within_rounding(got_v, v, root=True)
 
 
-def wider(d_model: int = 64):
-    return tiny_model(d_model=d_model)
-
-
 def _build(overrides=(), workers: int = 2):
-    comm = SimCommunicator(workers)
-    models = [wider() for _ in range(workers)]
-    cfg = strategy_config("lordo", ["strategy.sync_every=4", *INT8, *overrides])
-    return build_strategy(cfg, models, [group_parameters(m) for m in models], comm), models
-
-
-def _train(strategy, models, steps: int, start: int = 0) -> None:
-    for step in range(start, start + steps):
-        for rank, model in enumerate(models):
-            model(*batch(rank, step))[1].backward()
-        strategy.step(1e-2)
+    return build("lordo", workers, ["strategy.sync_every=4", *INT8, *overrides], model=lambda: tiny_model(d_model=64))
 
 
 def test_a_synchronisation_averages_the_decoded_moments_and_every_worker_holds_the_same_codes():
