@@ -10,26 +10,26 @@ Where each part lives: the options and their checks in ``options.py``; the updat
 a per-matrix and a batched implementation) in ``functional.py``; error feedback and its deferred form in
 ``feedback.py``; state creation, its bytes and the one place a sharded FSDP2 parameter becomes this rank's shard
 in ``state.py`` (``sharded.py`` holds the sharding itself); the batched state layout in ``stacked.py`` and the
-kept plans in ``plan.py``; the Muon form, a subclass, in ``muon.py``.
+kept plans in ``plan.py``; the bases (computed, set, refreshed) in ``bases.py`` and what strategies and reports
+read and change of the state (moments, error feedback, bytes) in ``access.py``, both mixins; the Muon form,
+a subclass, in ``muon.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 
-from . import compact, compact_step, feedback
+from . import compact_step, feedback
+from .access import StateAccess
 from .bases import BasisMethods
-from .compact import is_compact
 from .functional import lowrank_qh_adam, qh_adam_update_many
 from .options import EXECUTION, STORAGE, check_group
 from .plan import Planner
-from .sharded import local, whole
-from .state import Lists, compact_formats, conform, ensure_state, entry_shapes, group_lists, restore_saved_dtypes, state_bytes, tensor_steps
-from .subspace import side_of
+from .sharded import whole
+from .state import Lists, compact_formats, conform, ensure_state, group_lists, restore_saved_dtypes, tensor_steps
 
 
 @functools.cache
@@ -37,7 +37,7 @@ def _eager_step():
     return torch.compiler.disable(torch.no_grad()(LowRankQHAdam._step))
 
 
-class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
+class LowRankQHAdam(BasisMethods, StateAccess, torch.optim.Optimizer):
     """LoRDO's local optimizer for one process: low-rank QH-Adam with error feedback.
 
     For each matrix W (p×q) of a group with an integer ``rank`` r, with basis P of its smaller side (the
@@ -246,28 +246,6 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
         (optim/compact_step.py)."""
         return compact_step.expanded(self.state[p], group, p, self._position(p), keys, salt)
 
-    @contextlib.contextmanager
-    def moments_expanded(self, params: Iterable[torch.Tensor],
-                         keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq")) -> Iterator[None]:
-        """Inside the block, the moments ``keys`` of ``params`` held compact (``lowrank_moments_dtype``,
-        ``moments_dtype``) are float32 tensors in their state, which a strategy may read and change (averaging them
-        over the workers); held compact again after it."""
-        with contextlib.ExitStack() as stack:
-            for p in params:
-                if p in self.state:
-                    stack.enter_context(self._expanded(self._group_of(p), p, keys, compact_step.AVERAGED))
-            yield
-
-    @torch.no_grad()
-    def moment_copy(self, p: torch.Tensor, key: str) -> torch.Tensor | None:
-        """``p``'s moment ``key`` (this rank's shard of it) as a new float32 tensor, decoded where it is held
-        compact; None where ``p`` has no such moment (yet). Reading it changes nothing."""
-        state = self.state.get(p, {})
-        if is_compact(state, key):
-            group = self._group_of(p)
-            return compact.load(state, key, compact_formats(group, p)[key], entry_shapes(group, p)[key])
-        return local(state[key]).clone() if key in state else None
-
     @torch.no_grad()
     def apply_lowrank(self, params: list[torch.Tensor], gs: list[torch.Tensor]) -> None:
         """Moment and weight updates of low-rank matrices from their projected gradients ``gs``. With
@@ -348,40 +326,6 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
                     self.apply_lowrank([p], self.project_gradients([p]))
         return loss
 
-    # ---------------------------------------------------------------------------------------------------
-    # error feedback, as strategies read and change it
-
-    @torch.no_grad()
-    def settled_error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The error-feedback buffer E of ``p`` itself (this rank's shard, if sharded), any deferred sum folded
-        in first, so that changing it in place (averaging it over workers) changes E; None without one."""
-        state = self.state.get(p, {})
-        if is_compact(state, "error_feedback"):
-            raise ValueError("this error feedback is held compact (error_feedback_dtype int8 or int4): it cannot be "
-                             "changed in place; read it with error_feedback(p)")
-        if state.get("error_feedback") is None:
-            return None
-        feedback.settle(state, side_of(p.shape))
-        return local(state["error_feedback"])
-
-    @torch.no_grad()
-    def forget_error_feedback(self) -> None:
-        """Zero every error-feedback buffer (a worker that takes over another's state starts with nothing owed)."""
-        for state in self.state.values():
-            feedback.forget(state)
-
-    @torch.no_grad()
-    def error_feedback(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The error-feedback buffer E of low-rank matrix ``p`` (None if it has none yet or error feedback is
-        off). A copy when the buffer is deferred; reading it never changes the run."""
-        state = self.state.get(p, {})
-        if is_compact(state, "error_feedback"):
-            fmt = compact_formats(self._group_of(p), p)["error_feedback"]
-            return compact.load(state, "error_feedback", fmt, tuple(local(p).shape))
-        return feedback.settled_copy(state, side_of(p.shape))
-
-    # ---------------------------------------------------------------------------------------------------
-
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, keeping each state tensor's saved dtype: torch casts them to their
         parameter's, which would round float32 bases and moments of a bf16 matrix to bf16 and turn a bf16
@@ -399,17 +343,3 @@ class LowRankQHAdam(BasisMethods, torch.optim.Optimizer):
             for p in group["params"]:
                 if p in self.state:
                     conform(self.state[p], group, p)
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes of state by category as the shapes and storage settings say (accounted: lordo.strategies.footprint
-        measures the tensors): low-rank moments, full-rank moments, bases, error feedback."""
-        return state_bytes(self.param_groups, 2 if self._SECOND_MOMENT else 1)
-
-    def state_category(self, p: torch.Tensor, path: list[str]) -> str:
-        """The category of the state entry at ``path`` (its key first) of ``p``, as :meth:`state_bytes` names them."""
-        key = path[0].split(".")[0] if path else ""
-        if key in ("exp_avg", "exp_avg_sq", "momentum", "step"):  # the step counter goes with the moments
-            return "full_rank_moments" if self._group_of(p)["rank"] is None else "lowrank_moments"
-        if key in ("error_feedback", feedback.INSIDE):
-            return "error_feedback"
-        return "bases" if key == "basis" else "optimizer_other"

@@ -5,16 +5,16 @@ At a synchronisation every worker sends its pseudo-gradient Δ_m = θ_anchor −
 ``torch.optim`` optimizer steps it: SGD at lr 1 is plain model averaging (θ_new = θ_anchor − Δ), SGD with
 Nesterov momentum is DiLoCo. Every worker then restarts from θ_new. Optimizer moments can be averaged too,
 at every sync or with periods of their own (DES-LOC). Payloads travel through a codec (``comm.codec``:
-fp32, bf16, int8), with error feedback of what a lossy codec dropped. With ``sync_delay`` = τ > 0 a
-synchronisation runs behind the next τ local steps and lands merged with them (``delayed.py``).
+fp32, bf16, int8), with error feedback of what a lossy codec dropped (the moments: ``moments.py``). With
+``sync_delay`` = τ > 0 a synchronisation runs behind the next τ local steps and lands merged with them
+(``delayed.py``).
 
 ``local-adam`` is this class with AdamW as the inner optimizer; LoRDO's strategies (``lordo.py``) extend it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,12 +25,11 @@ from ..comm.basis_codec import SparseSettings, check_sparse
 from ..comm.codec import ALL_COMPRESSIONS, BlockCodec, add_shard, average, padded_numel, shard_numel
 from ..comm.payloads import sync_codecs
 from ..errors import ConfigError, NonFiniteError
-from ..optim.sharded import local
 from .anchor import Anchor
 from .base import Strategy, check_number, inner_state_bytes, tensor_bytes
 from .delayed import RoundInFlight, check_delay, land_round, start_round
+from .moments import MOMENTS, MomentAveraging
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 RESIDUALS = ("buffer", "model")
 AVERAGED = ("none", "lowrank", "all")
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -41,7 +40,7 @@ def model_averaging(anchor: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(anchor, lr=1.0)
 
 
-class LocalUpdateStrategy(Strategy):
+class LocalUpdateStrategy(MomentAveraging, Strategy):
     """``LocalUpdateStrategy(models, comm, optimizers=[...], sync_every=32)``: K local steps, then average.
 
     ``outer_optimizer``: builds the outer optimizer over the anchor tensors (default :func:`model_averaging`;
@@ -178,30 +177,6 @@ class LocalUpdateStrategy(Strategy):
         self.average_moments(True)
         return self.synchronise()
 
-    def average_moments(self, sync_due: bool) -> None:
-        due = [key for key, period in self.moment_periods.items()
-               if ((self.steps_done % period == 0) if period else sync_due)]
-        if self.average == "none" or not due:
-            return
-        with self.moments_open(tuple(due)):
-            for key in due:
-                moments = self.worker_moments(key)
-                if moments[0]:
-                    # compressed moments need no error feedback: they are running averages, not sums to deliver
-                    average(self.comm, moments, key, self.codecs[key])
-
-    @contextlib.contextmanager
-    def moments_open(self, keys: tuple[str, ...] = MOMENTS) -> Iterator[None]:
-        """Inside the block, the averaged parameters' moments ``keys`` that an optimizer holds compact (LoRDO's
-        ``lowrank_moments_dtype``) are float32 tensors in its state (:meth:`worker_moments` reads and averages them);
-        stored compact again after it."""
-        with contextlib.ExitStack() as stack:
-            for i, w in enumerate(self.workers):
-                opener = getattr(w.optimizer, "moments_expanded", None)
-                if opener is not None:
-                    stack.enter_context(opener(self.averaged_params(i), keys))
-            yield
-
     def finish(self) -> dict[str, float]:
         stats = self.land() if self.in_flight is not None else {}  # a round in flight lands now
         if not self.in_sync:
@@ -233,24 +208,6 @@ class LocalUpdateStrategy(Strategy):
         r, self.in_flight = self.in_flight, None
         assert r is not None
         return land_round(self, r)
-
-    def worker_moments(self, key: str) -> list[list[torch.Tensor]]:
-        """Each hosted worker's moments ``key`` of its averaged parameters (their shards, if sharded)."""
-        # (an optimizer without that moment, as the Muon form without v, gives none)
-        return [[local(s[key]) for p in self.averaged_params(i) if key in (s := w.optimizer.state[p])]
-                for i, w in enumerate(self.workers)]
-
-    def _moment_copies(self, worker: int, key: str) -> list[torch.Tensor]:
-        w = self.workers[worker]
-        copy = getattr(w.optimizer, "moment_copy", None)
-        if copy is None:  # a torch optimizer: its moments as they are
-            return [local(s[key]).clone() for p in self.averaged_params(worker) if key in (s := w.optimizer.state[p])]
-        return [m for p in self.averaged_params(worker) if (m := copy(p, key)) is not None]
-
-    def worker_moment_copies(self, key: str) -> list[list[torch.Tensor]]:
-        """Each hosted worker's moments ``key`` of its averaged parameters as new float32 tensors (those an optimizer
-        holds compact, decoded), in :meth:`worker_moments`' order; reading them changes nothing."""
-        return [self._moment_copies(i, key) for i in range(len(self.workers))]
 
     def mirror_round(self, kind: str, resume_at: int) -> None:
         # the received model is the anchor: a pseudo-gradient of zero, left out of every mean anyway
