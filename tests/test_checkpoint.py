@@ -324,7 +324,7 @@ def test_fuzzed_checkpoint_files_and_config_files_give_clear_errors(tmp_path):
 
 
 def test_a_config_written_before_a_field_existed_resumes_with_its_old_behaviour():
-    from lordo.train.checkpoint import config_differences
+    from lordo.train.resume_settings import config_differences
 
     current = build_config(overrides=['strategy.name="lordo"', 'strategy.error_feedback_after_qh="keep"']).to_dict()
     older = json.loads(json.dumps(current))
@@ -481,8 +481,8 @@ def test_launch_mistakes_are_named_before_any_process_starts(monkeypatch, capsys
 def test_a_config_of_the_first_format_resumes_as_it_ran():
     """tests/data/config_2026-11-30.json is a run's config.json as lordo wrote it on 2026-11-30, before most of
     today's fields: filled in the way ``lordo train --resume`` fills it, it differs from nothing, and a field
-    added without saying how an older run behaved (checkpoint.ADDED_FIELDS) fails here."""
-    from lordo.train.checkpoint import config_differences, with_added_fields
+    added without saying how an older run behaved (resume_settings.ADDED_FIELDS) fails here."""
+    from lordo.train.resume_settings import config_differences, with_added_fields
 
     path = Path(__file__).parent / "data" / "config_2026-11-30.json"
     saved = json.loads(path.read_text())

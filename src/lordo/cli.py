@@ -95,7 +95,8 @@ def _check_launch(cfg) -> None:
 def _resumed_config(folder: Path) -> dict:
     """The settings of the run in ``folder``: its config.json, or (when that is missing or damaged) the one
     its newest checkpoint holds. A folder without a complete checkpoint has nothing to resume."""
-    from .train.checkpoint import Checkpointer, CheckpointError, with_added_fields
+    from .train.checkpoint import Checkpointer, CheckpointError
+    from .train.resume_settings import with_added_fields
 
     if not folder.is_dir():
         raise ConfigError(f"--resume {folder}: no such folder")

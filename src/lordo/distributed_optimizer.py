@@ -78,7 +78,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "'<name>', backend='torchft', ...)")
         self.cfg, self.comm, self._owns_comm = cfg, comm, owns_comm
         if comm.fault_tolerant and cfg is not None:  # a worker that joins compares its settings with the run's (comm/ft.py)
-            from .train.checkpoint import config_differences, trajectory_settings
+            from .train.resume_settings import config_differences, trajectory_settings
 
             settings = trajectory_settings(cfg.to_dict())
             settings["dist"].pop("workers", None)  # each worker's own count may be 1 (from the environment)

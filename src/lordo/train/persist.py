@@ -13,7 +13,8 @@ import torch
 
 from ..comm.torch_dist import CommError
 from ..errors import ConfigError, NonFiniteError, Stopped
-from .checkpoint import config_differences, load_local_state, local_state
+from .checkpoint import load_local_state, local_state
+from .resume_settings import config_differences
 from .runtime import RunState
 
 if TYPE_CHECKING:
