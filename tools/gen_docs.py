@@ -84,11 +84,12 @@ def api_reference() -> str:
         kind = "class" if inspect.isclass(obj) else "function"
         out += ["", f"## `lordo.{name}{_signature(obj)}`", "", f"*{kind}*", "", _doc(obj)]
         if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            own = [c for c in obj.__mro__ if c.__module__.startswith("lordo")]  # the class and lordo's mixins
             for member_name, member in inspect.getmembers(obj):
-                if member_name.startswith("_") or member_name not in vars(obj):
+                if member_name.startswith("_") or not any(member_name in vars(c) for c in own):
                     continue
                 if name == "LowRankQHAdam" or name == "Config":
-                    if not (member.__doc__ and member.__qualname__.startswith(obj.__name__)):
+                    if not (member.__doc__ and member.__qualname__.split(".")[0] in {c.__name__ for c in own}):
                         continue
                 if isinstance(member, property):
                     out += ["", f"### `{name}.{member_name}` (property)", "", _doc(member)]
