@@ -68,7 +68,7 @@ def test_the_memory_benchmark_prints_unless_asked_to_write_and_measures_what_it_
     assert plain["shape"] == "nano" and plain["device_bytes"] == plain["measured_bytes"] > 0
     for r in rows:  # the accounting from shapes agrees with the tensors (step counters aside)
         assert r["accounted_bytes"] == pytest.approx(r["measured_bytes"], rel=0.02), r["name"]
-    lean = next(r for r in rows if r["name"].startswith("lordo, lean (int8"))
+    lean = next(r for r in rows if r["name"].startswith("lordo --lean (int8"))
     assert lean["measured_bytes"] < 0.6 * plain["measured_bytes"]
 
 

@@ -186,7 +186,7 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--omega", type=float, metavar="W", help="strategy.omega: QH weight on the low-rank momentum")
     t.add_argument("--log", metavar="SINK", help="train.log: jsonl (default) or tensorboard (also OUT/tensorboard)")
     t.add_argument("--lean", action="store_true",
-                   help="strategy.memory = lean: the optimizer state in the storage that passed its gates (about 0.4x "
+                   help="strategy.memory = lean: the optimizer state in the storage that passed its gates (about 0.34x "
                         "AdamW's for lordo; docs/performance.md)")
     t.add_argument(
         "--set", action="append", metavar="KEY=VALUE", help="override one config key, e.g. --set optim.lr=3e-3 (repeatable)"

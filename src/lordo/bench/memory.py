@@ -26,9 +26,9 @@ from ..config import build_config
 from .step import shape_overrides
 from .timing import machine
 
-LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
-LEAN4 = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int4"', 'strategy.moments_dtype="int8"')
-LOWRANK8 = ('strategy.lowrank_moments_dtype="int8"',)
+# --lean as it was before its low-rank moments passed their gate; --lean with E in 4 bits
+EARLY_LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
+LEAN4 = ('strategy.memory="lean"', 'strategy.error_feedback_dtype="int4"')
 MUON = ('optim.inner="muon"', 'optim.muon_ns_dtype="float32"')
 STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ddp + Muon", ('strategy.name="ddp"', *MUON)),
@@ -39,16 +39,15 @@ STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("diloco (anchor, outer momentum)", ('strategy.name="diloco"',)),
     ("diloco + Muon (MuLoCo)", ('strategy.name="diloco"', *MUON)),
     ("lowrank-ddp", ('strategy.name="lowrank-ddp"',)),
-    ("lowrank-ddp, lean (int8 E, full-rank moments)", ('strategy.name="lowrank-ddp"', 'strategy.memory="lean"')),
+    ("lowrank-ddp, lean (int8 E, full-rank and low-rank moments)", ('strategy.name="lowrank-ddp"', 'strategy.memory="lean"')),
     ("lordo", ('strategy.name="lordo"',)),
     ("lordo, bf16 error feedback, anchor in host memory (before)",
      ('strategy.name="lordo"', 'strategy.error_feedback_dtype="bfloat16"', "strategy.offload_anchor=true")),
-    ("lordo, lean (int8 anchor, E, full-rank moments)", ('strategy.name="lordo"', *LEAN)),
+    ("lordo --lean (int8 anchor, E, full-rank and low-rank moments)", ('strategy.name="lordo"', 'strategy.memory="lean"')),
+    ("lordo --lean, anchor in host memory", ('strategy.name="lordo"', 'strategy.memory="lean"', "strategy.offload_anchor=true")),
+    ("lordo, int8 anchor, E, full-rank moments (float32 low-rank moments)", ('strategy.name="lordo"', *EARLY_LEAN)),
     ("lordo, lean with int4 E", ('strategy.name="lordo"', *LEAN4)),
     ("lordo, lean with int4 E, anchor in host memory", ('strategy.name="lordo"', *LEAN4, "strategy.offload_anchor=true")),
-    ("lordo, lean and int8 low-rank moments", ('strategy.name="lordo"', *LEAN, *LOWRANK8)),
-    ("lordo, lean and int8 low-rank moments, anchor in host memory",
-     ('strategy.name="lordo"', *LEAN, *LOWRANK8, "strategy.offload_anchor=true")),
     ("lordo, int4 rounds", ('strategy.name="lordo"', 'strategy.compress="int4"')),
     ("lordo, int4 rounds, sync_delay 1", ('strategy.name="lordo"', 'strategy.compress="int4"', "strategy.sync_delay=1")),
     ("lordo --lean, int4 rounds (residual folded)", ('strategy.name="lordo"', 'strategy.memory="lean"', 'strategy.compress="int4"')),
@@ -125,6 +124,9 @@ def _peer_optimizers(model: nn.Module, rank: int) -> list[tuple[str, Callable[[]
          lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3)),
         ("LowRankQHAdam with GaLore's groups, int8 error feedback and moments",
          lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3, error_feedback_dtype="int8", moments_dtype="int8")),
+        ("LowRankQHAdam with GaLore's groups, int8 error feedback, full-rank and low-rank moments",
+         lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3, error_feedback_dtype="int8", moments_dtype="int8",
+                               lowrank_moments_dtype="int8")),
         ("LowRankQHAdam with GaLore's groups, no error feedback",
          lambda: LowRankQHAdam([{"params": rest}, dict(galore)], lr=1e-3, error_feedback=False)),
     ]

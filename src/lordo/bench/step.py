@@ -115,10 +115,10 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
         "lordo (LowRankQHAdam)": {},
         "lordo, G + E kept": {"error_feedback_after_qh": "keep"},
         "lordo, qh_source=grad": {"qh_source": "grad"},
-        "lordo, lean (int8 E, int8 full-rank moments)": {"error_feedback_dtype": "int8", "moments_dtype": "int8"},
+        "lordo, int8 E and full-rank moments": {"error_feedback_dtype": "int8", "moments_dtype": "int8"},
         "lordo, int4 E, int8 full-rank moments": {"error_feedback_dtype": "int4", "moments_dtype": "int8"},
-        "lordo, lean and int8 low-rank moments": {"error_feedback_dtype": "int8", "moments_dtype": "int8",
-                                                  "lowrank_moments_dtype": "int8"},
+        "lordo, lean (int8 E, full-rank and low-rank moments)": {"error_feedback_dtype": "int8", "moments_dtype": "int8",
+                                                                 "lowrank_moments_dtype": "int8"},
     }
     for label, changes in forms.items():
         out[label] = build(dataclasses.replace(cfg.strategy, **changes))

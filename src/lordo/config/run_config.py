@@ -191,6 +191,8 @@ LEAN: dict[str, tuple[Any, Any]] = {
     "error_feedback_dtype": ("int8", lambda c: c.strategy.name in LOWRANK_OPTIMIZER and not c.optim.compile_step
                              and not c.strategy.average_error_feedback),
     "moments_dtype": ("int8", lambda c: c.strategy.name in LOWRANK_OPTIMIZER and c.strategy.average_moments != "all"),
+    "lowrank_moments_dtype": ("int8", lambda c: c.strategy.name in LOWRANK_OPTIMIZER and c.optim.inner != "muon"
+                              and not c.optim.compile_step),
     "compress_residual": ("model", lambda c: c.strategy.compress != "none"),
 }
 

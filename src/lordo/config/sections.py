@@ -282,7 +282,8 @@ class StrategyConfig(_Section):
                                  "the next round's (error feedback), so nothing is lost over rounds")
     memory: str = _f("default", "lean: every storage choice that kept perplexity within its gate at 2,000 steps "
                      "(docs/results.md, 'Less memory'): the fields below that are at their defaults become "
-                     "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8 and compress_residual model, "
+                     "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8, lowrank_moments_dtype int8 "
+                     "and compress_residual model, "
                      "where the strategy has them; default: as each field says", _choice("default", "lean"))
     compress_residual: str = _f("buffer", "where what compressing the pseudo-gradient lost waits for the next round "
                                 "(compress_feedback = true): buffer (a float32 buffer per worker, as large as the model) "
@@ -299,8 +300,7 @@ class StrategyConfig(_Section):
     lowrank_moments_dtype: str = _f("float32", "storage of the low-rank matrices' Adam moments (u and v, r per row) "
                                     "in LoRDO's inner optimizer: float32 or int8 (as moments_dtype; each matrix is then "
                                     "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "
-                                    "float32). Not part of memory = lean until its perplexity gate has run; Adam's form "
-                                    "only", _choice("float32", "int8"))
+                                    "float32); Adam's form only", _choice("float32", "int8"))
     anchor_dtype: str = _f("float32", "storage of the anchor (the model at the last synchronisation, local-update "
                            "strategies): float32, bfloat16 or int8 (with plain averaging the new model is computed in "
                            "float32 and the anchor's rounding never reaches it; docs/concepts.md)",
