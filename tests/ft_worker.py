@@ -32,7 +32,8 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     replica, out = cfg["replica"], Path(cfg["out"])
     torch.manual_seed(0)  # every replica starts from the same weights
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    width = cfg.get("width", 32)  # 256: large enough that --lean holds the first layer's state in 8 bits
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 8))
     comm = TorchFTCommunicator(cfg["workers"], replica, lighthouse=cfg["lighthouse"], min_workers=cfg["min_workers"],
                                timeout_s=10, quorum_timeout_s=120)
     opt = lordo.distributed(model, cfg["strategy"], backend=comm, lr=cfg.get("lr", 1e-2), rank=4, sync_every=cfg["sync_every"],
@@ -75,8 +76,10 @@ def main() -> None:
         val = float(nn.functional.mse_loss(model(x), y))
     inner = opt.strategy.optimizer(0) if hasattr(opt.strategy, "optimizer") else None
     bases = [inner.state[p]["basis"].tolist() for p, _ in inner.lowrank_params()] if inner is not None else []
+    held = sorted({key for state in inner.state.values() for key in state if key.endswith(".codes")}) if inner else []
+    moments = [inner.moment_copy(p, "exp_avg").tolist() for p, _ in inner.lowrank_params()] if inner is not None else []
     result = {"start": start, "after_16": after_16, "val_loss": val, "params": [p.detach().tolist() for p in model.parameters()],
-              "bases": bases, "rounds": comm.rounds}
+              "bases": bases, "rounds": comm.rounds, "held_compact": held, "lowrank_exp_avg": moments}
     (out / f"result-{replica}.json").write_text(json.dumps(result))
     opt.close()
     comm.close()
