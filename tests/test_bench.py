@@ -213,3 +213,15 @@ def test_the_gpu_table_script_takes_the_cpu_tables_picks_and_setting(tmp_path, d
         config = json.load(tar.extractfile("main/ddp__seed-1/config.json"))
     assert {"main/ddp__seed-0/summary.json", "main/lordo-local__seed-1/summary.json"} <= set(names)
     assert config["train"]["precision"] == table["base"]["train"]["precision"] and config["optim"]["lr"] == ddp_rate
+
+
+@pytest.mark.slow  # each setting is a `lordo train` child process
+def test_the_throughput_benchmark_runs_the_settings_asked_for_against_fp32(tmp_path, data_dir):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--preset", "nano", "--steps", "12", "--warmup", "2", "--threads", "1",
+                 "--repeats", "1", "--settings", "fp32,lean", "--data-dir", str(data_dir), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["fp32, 1 thread", "fp32, lean state, 1 thread"]
+    assert rows[0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
+    for bad in ("lean", "fp32,fp16"):  # the reference missing; a setting that does not exist
+        assert main(["bench", "throughput", "--preset", "nano", "--settings", bad]) == 2

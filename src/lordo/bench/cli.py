@@ -65,6 +65,8 @@ def make_parser() -> argparse.ArgumentParser:
     tp.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts (default 1,2)")
     tp.add_argument("--repeats", type=int, default=2, help="runs per setting, round-robin (median tokens/s)")
     tp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every run")
+    tp.add_argument("--settings", default="all", help="comma-separated settings to run, fp32 among them (the reference "
+                    "of every ratio): fp32, bf16, fp32-compiled, bf16-compiled, lean (default all)")
     from .link import add_parser as add_link
 
     k = add_link(sub)
@@ -117,14 +119,19 @@ def main(argv: list[str]) -> int:
         if off:
             print(f"accounted and measured differ by more than 2 %: {', '.join(off)}", file=sys.stderr)
     elif args.what == "throughput":
-        from .throughput import throughput_benchmark
+        from .throughput import SETTING_KEYS, throughput_benchmark
 
         threads = tuple(int(x) for x in args.threads.split(",") if x)
         if args.steps <= args.warmup + 5 or not threads or min(threads) < 1:
             raise ConfigError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by more than 5, and --threads "
                               f"list counts >= 1, got {args.threads!r}")
+        settings = SETTING_KEYS if args.settings == "all" else tuple(x for x in args.settings.split(",") if x)
+        if "fp32" not in settings or set(settings) - set(SETTING_KEYS):
+            raise ConfigError(f"--settings lists some of {', '.join(SETTING_KEYS)} (or all), fp32 among them: it is the "
+                              f"reference of every ratio; got {args.settings!r}")
         extra = tuple(x for kv in args.set for x in ("--set", kv)) + ("--data-dir", args.data_dir)
-        res = throughput_benchmark(args.preset, args.strategy, args.steps, args.warmup, threads, args.repeats, extra)
+        res = throughput_benchmark(args.preset, args.strategy, args.steps, args.warmup, threads, args.repeats, extra,
+                                   settings)
         print_table(f"training tokens/s, {args.preset}, {args.strategy}, {args.steps} steps ({args.warmup} left out), "
                     f"{args.repeats} runs per setting round-robin; ratio = median / fp32 at {threads[0]} thread(s)",
                     res["rows"], [("name", "setting", "s"), ("tokens_per_s", "tokens/s", ",.0f"), ("ratio", "× fp32", ".2f")])

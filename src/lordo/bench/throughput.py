@@ -21,13 +21,15 @@ from typing import Any
 from .runs import run_child
 from .timing import machine
 
-SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("fp32", ('train.precision="fp32"',)),
-    ("bf16-mixed", ('train.precision="bf16-mixed"',)),
-    ("fp32, compiled", ('train.precision="fp32"', "train.compile=true")),
-    ("bf16-mixed, compiled", ('train.precision="bf16-mixed"', "train.compile=true")),
-    ("fp32, lean state", ('train.precision="fp32"', 'strategy.memory="lean"')),
+# key (for --settings), label, overrides; fp32 first: the reference of every ratio
+SETTINGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("fp32", "fp32", ('train.precision="fp32"',)),
+    ("bf16", "bf16-mixed", ('train.precision="bf16-mixed"',)),
+    ("fp32-compiled", "fp32, compiled", ('train.precision="fp32"', "train.compile=true")),
+    ("bf16-compiled", "bf16-mixed, compiled", ('train.precision="bf16-mixed"', "train.compile=true")),
+    ("lean", "fp32, lean state", ('train.precision="fp32"', 'strategy.memory="lean"')),
 )
+SETTING_KEYS = tuple(key for key, _, _ in SETTINGS)
 
 
 def measured_tokens_per_s(out: Path, warmup: int) -> float:
@@ -40,9 +42,10 @@ def measured_tokens_per_s(out: Path, warmup: int) -> float:
 
 
 def throughput_benchmark(preset: str, strategy: str, steps: int, warmup: int, threads: tuple[int, ...], repeats: int,
-                         extra: tuple[str, ...] = ()) -> dict[str, Any]:
+                         extra: tuple[str, ...] = (), settings: tuple[str, ...] = SETTING_KEYS) -> dict[str, Any]:
+    """``settings``: the keys of :data:`SETTINGS` to run (fp32 among them: every ratio is to it)."""
     cases = [(f"{label}, {n} thread{'s' if n > 1 else ''}", (*overrides, f"train.threads={n}"))
-             for n in threads for label, overrides in SETTINGS]
+             for n in threads for key, label, overrides in SETTINGS if key in settings]
     measured: dict[str, list[float]] = {name: [] for name, _ in cases}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(repeats):
