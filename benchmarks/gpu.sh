@@ -25,3 +25,7 @@ lordo bench runs --preset paper-16m --steps 64 --rank 32 --strategies ddp,lordo 
 # optimizer state measured from the tensors on the GPU, beside the allocator's growth over the run (the device
 # share of every row: the bytes lordo counts against what torch.cuda.memory_allocated says it holds)
 lordo bench memory --device cuda --shapes micro,paper-16m,d768x12 --json "$out/memory-cuda.json"
+# what the lean state's 8-bit storage costs a training step on the GPU (on this project's CPU: 0.86x float32's
+# tokens/s at paper-16m): float32 against --lean, round-robin
+lordo bench throughput --preset paper-16m --steps 40 --warmup 10 --threads 1 --repeats 2 --settings fp32,lean \
+  --set 'train.device="cuda"' --json "$out/throughput-paper-16m-cuda-lean.json"
