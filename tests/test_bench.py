@@ -41,7 +41,7 @@ def test_the_gpu_script_is_valid_shell_and_its_commands_parse():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text().replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines() if line.strip().startswith("lordo bench")]
-    assert len(lines) == 5
+    assert len(lines) == 6
     for line in lines:
         argv = shlex.split(line)[2:]
         args = make_parser().parse_args(argv)
