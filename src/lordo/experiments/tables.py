@@ -30,7 +30,8 @@ value (the sweep's point, else its config.json; a setting a run does not record 
 row's runs tried, the best is the lowest mean perplexity over the seeds that every rate ran (the probes' seed);
 the cell gives all of that rate's seeds. A verdict gives, at each scale, a's perplexity against b's seed by seed
 (each at its best rate) and says which is ahead on every seed, or ``split``; across the scales it ``holds``
-(ahead in the same direction at both), ``flips`` (opposite) or is ``open`` (split, or not run, at one of them);
+(ahead in the same direction at both), ``flips`` (opposite) or is ``open`` (split, or not run, at one of them, or
+run on one seed only: what it says so far is given beside);
 a claim whose rows are not both named at a scale is left out there (``–``).
 """
 
@@ -47,6 +48,8 @@ from .runs import mean_std, read_runs, wire_totals
 
 Runs = list[dict[str, Any]]
 _MISSING = object()  # a setting a run does not record
+
+MIN_SEEDS = 2  # a verdict on a claim needs this many seeds at each scale
 
 
 def _setting(run: dict[str, Any], key: str) -> Any:
@@ -262,7 +265,7 @@ def _verdicts(spec: Spec, bests: dict[tuple[str, str], Runs]) -> list[str]:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = {row["key"]: row for row in spec.rows}
     for v in spec.verdicts:
-        cells, directions = [f"{v['claim']} (a: {v['a']}, b: {v['b']})"], []
+        cells, directions, few = [f"{v['claim']} (a: {v['a']}, b: {v['b']})"], [], []
         for s in spec.scales:
             if rows[v["a"]].get(s) is None or rows[v["b"]].get(s) is None:  # not part of that scale's table
                 cells.append("–")
@@ -271,24 +274,31 @@ def _verdicts(spec: Spec, bests: dict[tuple[str, str], Runs]) -> list[str]:
             diffs = _paired(a, b) if a and b else {}
             direction = _direction(diffs)
             directions.append(direction)
+            if 0 < len(diffs) < MIN_SEEDS:
+                few.append(s)
             if direction is None:
                 cells.append("not run yet")
                 continue
             ahead = {"a": f"{v['a']} ahead", "b": f"{v['b']} ahead", "split": "split"}[direction]
             cells.append(" / ".join(f"{d:+.1f} %" for _, d in sorted(diffs.items())) + f" ({ahead})")
-        cells.append(_across(directions))
+        cells.append(_across(directions, few))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def _across(directions: list[str | None]) -> str:
+def _across(directions: list[str | None], few: list[str]) -> str:
+    """The verdict across the scales; ``few``: the scales where fewer than :data:`MIN_SEEDS` seeds ran (a verdict
+    needs two: it is given as what the runs so far say, the claim left open)."""
     if len(directions) < 2:
         return "one scale only"
     if any(d is None for d in directions):
         return "open (not run at every scale)"
     if "split" in directions:
         return "open (split seeds)"
-    return "holds" if len(set(directions)) == 1 else "flips"
+    verdict = "holds" if len(set(directions)) == 1 else "flips"
+    if few:
+        return f"open (1 seed at {', '.join(few)}; so far it {verdict})"
+    return verdict
 
 
 def write_table(spec_path: str | Path, out: str | Path | None = None) -> str:
