@@ -62,12 +62,14 @@ def _identity(overrides: list[str]) -> tuple:
 
 
 def table_setting() -> tuple[dict[tuple, float], list[str], int]:
-    """The CPU table's picked rate of each configuration it holds, its base settings as overrides (the device and
+    """The CPU table's picked rate of each configuration it has settled, its base settings as overrides (the device and
     threads left to this script), and its step count."""
     from lordo.config import tomllib
 
     table = tomllib.loads(TABLE.read_text())
-    picks = {tuple(c[k] for k in KEYS): float(c["optim.lr"]) for c in table["case"]}
+    # a configuration's pick is the rate of its last seed-1 case (seed 0 also holds the rates that checked a pick, and a
+    # pick that a check overturned is followed by the new one's seed 1); one with no seed-1 case is probed here
+    picks = {tuple(c[k] for k in KEYS): float(c["optim.lr"]) for c in table["case"] if c["train.seed"] >= 1}
     base = [f"{section}.{key}={json.dumps(value)}" for section, values in table["base"].items()
             for key, value in values.items() if key not in ("threads", "device", "checkpoint_every")]
     return picks, base, int(table["base"]["train"]["steps"])
