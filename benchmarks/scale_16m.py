@@ -62,14 +62,24 @@ def _identity(overrides: list[str]) -> tuple:
 
 
 def table_setting() -> tuple[dict[tuple, float], list[str], int]:
-    """The CPU table's picked rate of each configuration it has settled, its base settings as overrides (the device and
+    """The CPU table's best rate of each configuration it has run, its base settings as overrides (the device and
     threads left to this script), and its step count."""
     from lordo.config import tomllib
+    from lordo.experiments.runs import read_runs
+    from lordo.experiments.tables import best_rate
 
     table = tomllib.loads(TABLE.read_text())
-    # a configuration's pick is the rate of its last seed-1 case (seed 0 also holds the rates that checked a pick, and a
-    # pick that a check overturned is followed by the new one's seed 1); one with no seed-1 case is probed here
-    picks = {tuple(c[k] for k in KEYS): float(c["optim.lr"]) for c in table["case"] if c["train.seed"] >= 1}
+    # a configuration's pick is the rate the README's table takes from its finished runs (the best on the seeds every
+    # rate ran: the table also holds 1,000-step checks of some probe picks); before any has finished, the rate the
+    # table file runs it at, if one; a configuration with none or several is probed here
+    listed: dict[tuple, set[float]] = {}
+    for c in table["case"]:
+        listed.setdefault(tuple(c[k] for k in KEYS), set()).add(float(c["optim.lr"]))
+    picks = {key: next(iter(rates)) for key, rates in listed.items() if len(rates) == 1}
+    runs: dict[tuple, list] = {}
+    for run in read_runs(TABLE.parents[1] / "results" / "scale-16m"):
+        runs.setdefault(tuple(run["values"][k] for k in KEYS), []).append(run)
+    picks.update({key: float(best_rate(rs)[0]["values"]["optim.lr"]) for key, rs in runs.items()})
     base = [f"{section}.{key}={json.dumps(value)}" for section, values in table["base"].items()
             for key, value in values.items() if key not in ("threads", "device", "checkpoint_every")]
     return picks, base, int(table["base"]["train"]["steps"])
