@@ -16,9 +16,9 @@ demo: $(STAMP) data
 test: lint data
 	$(BIN)/python -m pytest --durations=25
 
-# style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo
+# style and types: ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy over src/lordo and benchmarks
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples tools
+	$(BIN)/ruff check src tests examples tools benchmarks
 	$(BIN)/mypy
 
 install: $(STAMP)

@@ -41,17 +41,18 @@ Strategy = local_adam.LocalUpdateStrategy
 
 
 def patch(merge: str, stop_at: int) -> None:
-    send, apply_round, step = Strategy.send, Strategy._apply_round, Strategy.step
+    send, apply_round, step = Strategy.send, Strategy.apply_round, Strategy.step
 
     @torch.no_grad()
     def patched_send(self) -> None:
         send(self)
         r = self.in_flight
         if merge == "moments-first":  # the averages land now; the landing has no moments left to replay
-            for key, (sent, means) in r.moments.items():
-                for i, live in enumerate(self._moments(key)):
-                    for at_send, mean, mine in zip(sent[i], means[i], live, strict=True):
-                        mine.add_(mean - at_send)
+            with self.moments_open(tuple(r.moments)):
+                for key, (sent, means) in r.moments.items():
+                    for i, live in enumerate(self.worker_moments(key)):
+                        for at_send, mean, mine in zip(sent[i], means[i], live, strict=True):
+                            mine.add_(mean - at_send)
             r.moments = {}
         if merge == "eager" and getattr(self, "_previous_mean", None) is not None:
             m = len(self.workers)
@@ -68,7 +69,7 @@ def patch(merge: str, stop_at: int) -> None:
         if own is None:
             return apply_round(self, delta, own)
         for w, mine in zip(self.workers, own, strict=True):
-            for t, d, a, mean in zip(w.tensors, mine, self.anchor, delta, strict=True):
+            for t, d, a, mean in zip(w.tensors, mine, self.anchor.tensors, delta, strict=True):
                 if merge == "mix":  # leaves ½θ(s+τ) + ½θ_new once apply_round adds Δ_m − θ_anchor + θ_new
                     t.mul_(0.5).add_(a + mean, alpha=0.5).sub_(d)
                 elif merge == "decorrelate":
@@ -89,7 +90,7 @@ def patch(merge: str, stop_at: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return stats
 
-    Strategy.send, Strategy._apply_round, Strategy.step = patched_send, patched_apply, patched_step
+    Strategy.send, Strategy.apply_round, Strategy.step = patched_send, patched_apply, patched_step  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -185,7 +185,7 @@ def main() -> int:
     picked = {}
     for name, (lr, _) in configs.items():
         losses = {k.split("__lr-")[1]: s["val_loss"] for k, s in found.items() if s and k.startswith(name + "__")}
-        picked[name] = on_cpu.get(name, float(min(losses, key=losses.get)) if losses else lr)
+        picked[name] = on_cpu.get(name, float(min(losses, key=lambda k: losses[k])) if losses else lr)
         plan.setdefault("probe_losses", {})[name] = losses
     for name, leader in FOLLOWS.items():
         if name in configs:

@@ -21,19 +21,19 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontier import field, matches, run_arguments, runs_under, save_figure  # noqa: E402
 
+from lordo.config import StrategyConfig  # noqa: E402
 from lordo.strategies.build import basis_method  # noqa: E402
 
 
 def series_value(config: dict[str, Any], key: str) -> Any:
     value = field(config, key)
     if key == "strategy.basis_method" and value == "auto":
-        return basis_method(SimpleNamespace(name=field(config, "strategy.name"), basis_method=value))
+        return basis_method(StrategyConfig(name=field(config, "strategy.name"), basis_method=value))
     return value
 
 

@@ -231,3 +231,42 @@ def test_the_throughput_benchmark_runs_the_settings_asked_for_against_fp32(tmp_p
     assert rows[0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
     for bad in ("lean", "fp32,fp16"):  # the reference missing; a setting that does not exist
         assert main(["bench", "throughput", "--preset", "nano", "--settings", bad]) == 2
+
+
+def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypatch):
+    """benchmarks/overlap_merges.py (docs/results.md section 10): ``keep`` leaves lordo's landing as it is (the
+    same losses as an unpatched run), every other merge changes what the steps after a landing see, and
+    ``--stop-at`` ends the run after that step (one more, as a SIGTERM does)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap_merges.py"
+    spec = importlib.util.spec_from_file_location("overlap_merges", path)
+    screen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(screen)
+    # rounds sent at steps 4 and 8 land at 6 and 10; the stop after step 9 ends the run after step 10
+    tiny = ["--model", "nano", "--steps", "12", "--sync-every", "4", "--set", "strategy.sync_delay=2", "--set",
+            "train.eval_every=100", "--set", "schedule.warmup_steps=2", "--set", "train.batch_size=2",
+            "--data-dir", str(data_dir)]
+
+    def losses(out: Path) -> dict[int, float]:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
+
+    assert main(["train", *screen.SETTING, "--out", str(tmp_path / "plain"), *tiny]) == 0
+    plain = losses(tmp_path / "plain")
+    assert max(plain) == 12
+    seen = {}
+    for merge in screen.MERGES:
+        with monkeypatch.context() as m:
+            for name in ("send", "apply_round", "step"):  # put lordo's own back after this merge
+                m.setattr(screen.Strategy, name, getattr(screen.Strategy, name))
+            m.setattr(sys, "argv", ["overlap_merges.py", "--merge", merge, "--out", str(tmp_path / merge),
+                                    "--stop-at", "9", *tiny])
+            assert screen.main() == 0, merge
+        seen[merge] = losses(tmp_path / merge)
+        assert max(seen[merge]) == 10, merge
+    assert seen["keep"] == {s: v for s, v in plain.items() if s <= 10}
+    for merge in screen.MERGES[1:]:
+        assert seen[merge][10] != seen["keep"][10], merge
