@@ -67,8 +67,8 @@ def test_rows_take_the_best_rate_on_the_common_seed_and_compare_with_the_referen
     text = write_table(spec(folders))
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     # ddp small: mean 41; lordo small at 1e-3 (44 on seed 0 beats 45): mean (44 + 50) / 2 = 47 → 47 / 41 = 1.146
-    assert "| 1.00 (41.00 ± 1.41) | 1.00 (100.00, 1 seed) | 0.55 / 0.1 |" in rows["ddp"]
-    assert "| 1.15 (47.00 ± 4.24) | 0.90 (90.00, 1 seed) | 0.065 / 0.1 | slow links |" in rows["lordo"]
+    assert "| 1.00 (41.00 ± 1.41) | 1.00 (100.00, 1 seed) | 0.55 / 0.10 |" in rows["ddp"]
+    assert "| 1.15 (47.00 ± 4.24) | 0.90 (90.00, 1 seed) | 0.065 / 0.10 | slow links |" in rows["lordo"]
     verdict = rows["lordo beats ddp (a: lordo, b: ddp)"]
     # seed 0: 44 / 40 - 1 = +10 %, seed 1: 50 / 42 - 1 = +19.0 % (b ahead); large: 90 / 100 - 1 = -10 % (a ahead)
     # a verdict needs two seeds at each scale: with one at the large scale the claim stays open, its direction said
@@ -127,7 +127,7 @@ def test_the_state_column_reads_the_memory_benchs_rows_at_its_shape(folders):
     path = spec(folders)
     text = path.read_text().replace('reference = "ddp"', 'reference = "ddp"\nmemory = "mem.json"\nmemory_shape = "micro"')
     path.write_text(text.replace('choose = "slow links"', 'choose = "slow links"\nmemory = ["lordo", "lordo lean"]'))
-    assert "| 0.065 / 0.1 | 1.33 (0.40) | slow links |" in write_table(path)
+    assert "| 0.065 / 0.10 | 1.33 (0.40) | slow links |" in write_table(path)
     path.write_text(path.read_text().replace('"lordo lean"]', '"lordo leaner"]'))
     with pytest.raises(ConfigError, match="'lordo leaner', not a row of the memory JSON"):
         write_table(path)
@@ -149,3 +149,10 @@ def test_a_claim_whose_rows_are_not_both_at_a_scale_is_left_out_there(folders):
     path.write_text(text)
     verdict = next(line for line in write_table(path).splitlines() if line.startswith("| lordo beats ddp"))
     assert verdict.endswith("| +10.0 % / +19.0 % (ddp ahead) | – | one scale only |")
+
+
+def test_the_bytes_cells_keep_two_significant_digits_with_their_trailing_zero():
+    from lordo.experiments.tables import _two_digits
+
+    # 0.0401 beside 0.037 reads as two digits each, not "0.04"; the reference's own 1 stays "1"
+    assert [_two_digits(x) for x in (0.0401, 0.037, 0.1, 0.55, 1.0, 12.0)] == ["0.040", "0.037", "0.10", "0.55", "1", "12"]

@@ -193,6 +193,12 @@ def _ppl_cell(best: Runs, reference: float | None) -> str:
     return f"{ratio}({spread}{seeds})"
 
 
+def _two_digits(x: float) -> str:
+    """Two significant digits, a trailing zero kept (0.040 beside 0.037, not 0.04); 1 stays "1"."""
+    text = f"{x:#.2g}"
+    return "1" if x == 1 else text.rstrip(".")
+
+
 def _bytes(best: Runs) -> float | None:
     ratios = [w / d for w, d in (wire_totals(r["summary"]) for r in best) if d]
     return statistics.mean(ratios) if ratios else None
@@ -234,7 +240,7 @@ def render(spec: Spec, command: str) -> list[str]:
         cells += [_ppl_cell(bests[row["key"], s], refs.get(s)) if (row["key"], s) in bests
                   else ("not run yet" if row.get(s) else "–") for s in spec.scales]
         sent = [_bytes(bests[row["key"], s]) if (row["key"], s) in bests else None for s in spec.scales]
-        cells.append(" / ".join("–" if b is None else f"{b:.2g}" for b in sent))
+        cells.append(" / ".join("–" if b is None else _two_digits(b) for b in sent))
         cells += [_memory_cell(spec, row)] if spec.memory is not None else []
         cells += [row.get("choose", "")] if "choose it when" in head else []
         lines.append("| " + " | ".join(cells) + " |")
