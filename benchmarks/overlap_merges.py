@@ -86,7 +86,8 @@ def patch(merge: str, stop_at: int) -> None:
         landing = self.in_flight
         self._landing_own = getattr(landing, "eager_own", None) if landing is not None else None
         stats = step(self, lr)
-        if self.steps_done == stop_at:  # ends the run like a scheduler would: a stop after this step
+        # a SIGTERM, as a scheduler sends, is read at the start of the next step, which the run finishes first
+        if self.steps_done == stop_at - 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return stats
 

@@ -236,7 +236,7 @@ def test_the_throughput_benchmark_runs_the_settings_asked_for_against_fp32(tmp_p
 def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypatch):
     """benchmarks/overlap_merges.py (docs/results.md section 10): ``keep`` leaves lordo's landing as it is (the
     same losses as an unpatched run), every other merge changes what the steps after a landing see, and
-    ``--stop-at`` ends the run after that step (one more, as a SIGTERM does)."""
+    ``--stop-at`` ends the run after that step."""
     import importlib.util
     import sys
     from pathlib import Path
@@ -245,7 +245,7 @@ def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypat
     spec = importlib.util.spec_from_file_location("overlap_merges", path)
     screen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(screen)
-    # rounds sent at steps 4 and 8 land at 6 and 10; the stop after step 9 ends the run after step 10
+    # rounds sent at steps 4 and 8 land at 6 and 10; the run stops after step 10 of 12
     tiny = ["--model", "nano", "--steps", "12", "--sync-every", "4", "--set", "strategy.sync_delay=2", "--set",
             "train.eval_every=100", "--set", "schedule.warmup_steps=2", "--set", "train.batch_size=2",
             "--data-dir", str(data_dir)]
@@ -263,7 +263,7 @@ def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypat
             for name in ("send", "apply_round", "step"):  # put lordo's own back after this merge
                 m.setattr(screen.Strategy, name, getattr(screen.Strategy, name))
             m.setattr(sys, "argv", ["overlap_merges.py", "--merge", merge, "--out", str(tmp_path / merge),
-                                    "--stop-at", "9", *tiny])
+                                    "--stop-at", "10", *tiny])
             assert screen.main() == 0, merge
         seen[merge] = losses(tmp_path / merge)
         assert max(seen[merge]) == 10, merge
