@@ -1,6 +1,7 @@
 """The paper-16m table (docs/results.md, "Two scales") on one machine with a GPU, inside a fixed time.
 
     PYTHONPATH=src python3 benchmarks/scale_16m.py OUT_DIR [--deadline-s 540] [--jobs 15]
+                       [--table sweeps/scale-16m.toml] [--results results/scale-16m]
 
 Every configuration of sweeps/scale-16m.toml's setting runs as its own ``lordo train`` process, many at a time
 on one GPU (the runs are small: bound by kernel launches, not by the GPU's arithmetic):
@@ -50,7 +51,7 @@ CONFIGS = {
                           'strategy.moments_dtype="int8"']),
 }
 FOLLOWS = {"lordo-lean": "lordo"}  # configurations that take another's picked rate instead of probing
-TABLE = Path(__file__).resolve().parents[1] / "sweeps" / "scale-16m.toml"
+ROOT = Path(__file__).resolve().parents[1]
 # a configuration's identity in the table's cases: strategy, inner optimizer, compression, rank
 KEYS = ("strategy.name", "optim.inner", "strategy.compress", "strategy.rank")
 
@@ -61,14 +62,14 @@ def _identity(overrides: list[str]) -> tuple:
     return tuple(json.loads({**defaults, **given}.get(k, "null")) for k in KEYS)
 
 
-def table_setting() -> tuple[dict[tuple, float], list[str], int]:
-    """The CPU table's best rate of each configuration it has run, its base settings as overrides (the device and
-    threads left to this script), and its step count."""
+def table_setting(table_file: Path, results: Path) -> tuple[dict[tuple, float], list[str], int]:
+    """The CPU table's (``table_file``, its runs in ``results``) best rate of each configuration it has run, its base
+    settings as overrides (the device and threads left to this script), and its step count."""
     from lordo.config import tomllib
     from lordo.experiments.runs import read_runs
     from lordo.experiments.tables import best_rate
 
-    table = tomllib.loads(TABLE.read_text())
+    table = tomllib.loads(table_file.read_text())
     # a configuration's pick is the rate the README's table takes from its finished runs (the best on the seeds every
     # rate ran: the table also holds 1,000-step checks of some probe picks); before any has finished, the rate the
     # table file runs it at, if one; a configuration with none or several is probed here
@@ -77,7 +78,7 @@ def table_setting() -> tuple[dict[tuple, float], list[str], int]:
         listed.setdefault(tuple(c[k] for k in KEYS), set()).add(float(c["optim.lr"]))
     picks = {key: next(iter(rates)) for key, rates in listed.items() if len(rates) == 1}
     runs: dict[tuple, list] = {}
-    for run in read_runs(TABLE.parents[1] / "results" / "scale-16m"):
+    for run in read_runs(results):
         runs.setdefault(tuple(run["values"][k] for k in KEYS), []).append(run)
     picks.update({key: float(best_rate(rs)[0]["values"]["optim.lr"]) for key, rs in runs.items()})
     base = [f"{section}.{key}={json.dumps(value)}" for section, values in table["base"].items()
@@ -155,7 +156,14 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="a few steps of the nano model on the CPU: checks the script")
     ap.add_argument("--main-steps", type=int, default=0, help="the main phase's step count (0: the CPU table's)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations")
+    ap.add_argument("--table", type=Path, default=ROOT / "sweeps" / "scale-16m.toml", help="the CPU table's sweep file")
+    ap.add_argument("--results", type=Path, default=ROOT / "results" / "scale-16m", help="the CPU table's runs")
     args = ap.parse_args()
+    unknown = sorted(set(k for k in args.configs.split(",") if k) - set(CONFIGS))
+    if unknown:
+        ap.error(f"--configs: unknown configuration(s) {', '.join(unknown)}; allowed: {', '.join(CONFIGS)}")
+    if not args.table.is_file():
+        ap.error(f"--table: no sweep file at {args.table}")
     global PROBE_STEPS
     if args.smoke:
         BASE[:] = [o for o in BASE if not o.startswith(("model.preset", "train.device"))]
@@ -169,7 +177,7 @@ def main() -> int:
     configs = {k: CONFIGS[k] for k in args.configs.split(",") if k}
     plan: dict = {"started": start, "probe_steps": PROBE_STEPS, "base": BASE}
 
-    cpu_picks, table_base, table_steps = table_setting()
+    cpu_picks, table_base, table_steps = table_setting(args.table, args.results)
     on_cpu = {name: cpu_picks[key] for name, (_, o) in configs.items() if (key := _identity(o)) in cpu_picks}
     probes = []
     for name, (lr, overrides) in configs.items():

@@ -187,10 +187,12 @@ def test_versus_reads_auto_as_what_it_resolves_to_and_counts_a_copied_run_once(t
 
 
 def test_the_gpu_table_script_takes_the_cpu_tables_picks_and_setting(tmp_path, data_dir):
-    """benchmarks/scale_16m.py --smoke (the nano model on the CPU): a configuration that results/scale-16m has run
-    (ddp) takes the rate the README's table takes (its best) without probing, one it has not run and lists at two
-    rates (lordo-local) is probed at three rates, and the main runs take the table's setting (bfloat16 autocast) so that they compare with
-    the CPU table's."""
+    """benchmarks/scale_16m.py --smoke (the nano model on the CPU), against the real sweep file and a results folder
+    holding only the table's finished ddp runs: a configuration that the results hold (ddp) takes the rate the
+    README's table takes (its best) without probing, one they do not hold and the file lists at two rates
+    (lordo-local) is probed at three rates, and the main runs take the table's setting (bfloat16 autocast) so that
+    they compare with the CPU table's. The table's own progress does not change what this test sees."""
+    import shutil
     import subprocess
     import sys
     import tarfile
@@ -201,24 +203,42 @@ def test_the_gpu_table_script_takes_the_cpu_tables_picks_and_setting(tmp_path, d
 
     root = Path(__file__).resolve().parents[1]
     table = tomllib.loads((root / "sweeps" / "scale-16m.toml").read_text())
+    assert len({c["optim.lr"] for c in table["case"] if c["strategy.name"] == "lordo-local"}) == 2
+    results = tmp_path / "cpu-runs"
     ddp_runs = [r for r in read_runs(root / "results" / "scale-16m")
                 if r["values"]["strategy.name"] == "ddp" and r["values"]["optim.inner"] == "auto"]
+    for r in ddp_runs:
+        shutil.copytree(root / "results" / "scale-16m" / r["name"], results / r["name"])
+    (results / "sweep.json").write_text(json.dumps({"points": [{"dir": r["name"], "values": r["values"]}
+                                                               for r in ddp_runs]}))
+    assert len(ddp_runs) >= 2
     ddp_rate = min(ddp_runs, key=lambda r: r["summary"]["val_ppl"])["values"]["optim.lr"]  # one rate: its seeds
-    assert not (root / "results" / "scale-16m" / "name-lordo-local__lr-0.006__inner-auto__compress-none__rank-16__seed-0"
-                / "summary.json").exists()
     env = {**__import__("os").environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "benchmarks/scale_16m.py", str(tmp_path), "--smoke", "--configs",
-                           "ddp,lordo-local", "--deadline-s", "400", "--jobs", "2", "--main-jobs", "2"],
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "benchmarks/scale_16m.py", str(out), "--smoke", "--configs",
+                           "ddp,lordo-local", "--deadline-s", "400", "--jobs", "2", "--main-jobs", "2",
+                           "--results", str(results)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    plan = json.loads((tmp_path / "plan.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
     assert plan["picked_on_cpu"] == ["ddp"] and plan["picked"]["ddp"] == ddp_rate
     assert len(plan["probe_losses"]["lordo-local"]) == 3 and not plan["probe_losses"]["ddp"]
-    with tarfile.open(tmp_path / "scale-16m.tar.gz") as tar:
+    with tarfile.open(out / "scale-16m.tar.gz") as tar:
         names = tar.getnames()
         config = json.load(tar.extractfile("main/ddp__seed-1/config.json"))
     assert {"main/ddp__seed-0/summary.json", "main/lordo-local__seed-1/summary.json"} <= set(names)
     assert config["train"]["precision"] == table["base"]["train"]["precision"] and config["optim"]["lr"] == ddp_rate
+
+
+def test_the_gpu_table_script_names_a_bad_configuration():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/scale_16m.py", "/tmp/unused", "--configs", "ddp,lordo-globl"],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--configs: unknown configuration(s) lordo-globl; allowed: ddp," in done.stderr
 
 
 @pytest.mark.slow  # each setting is a `lordo train` child process
