@@ -42,6 +42,23 @@ def test_same_seed_same_metrics(data_dir, tmp_path):
     assert a != c
 
 
+def test_train_threads_hold_for_the_run_and_the_callers_count_comes_back(data_dir, tmp_path, monkeypatch):
+    import torch
+
+    import lordo.train.loop as loop
+
+    seen = []
+    real_run = loop.Trainer.run
+    monkeypatch.setattr(loop.Trainer, "run", lambda self: (seen.append(torch.get_num_threads()), real_run(self))[1])
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    run_nano(data_dir, tmp_path / "a", steps=6, extra=[f"train.threads={wanted}"])
+    assert seen == [wanted] and torch.get_num_threads() == before
+    with pytest.raises(Exception, match="corpus archive .* is missing"):  # a run that fails gives the count back too
+        run_nano(tmp_path / "no-corpus", tmp_path / "b", steps=6, extra=[f"train.threads={wanted}"])
+    assert torch.get_num_threads() == before
+
+
 def test_cli_run_writes_the_three_files(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     # the defaults run at any length: lordo, with a warm-up of min(50, steps // 10) = 2 steps here

@@ -55,8 +55,9 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
     """Run one training job described by ``cfg``; the main process writes config.json, metrics.jsonl and
     summary.json to ``out_dir`` (None: ``runs/<preset>-<strategy>-<time>``, named by the main process) and
     returns the summary (other processes return it too, without files). The main process holds a lock on
-    the folder for the run."""
+    the folder for the run. ``train.threads`` holds for the run; the caller's thread count is restored after it."""
     t, d = cfg.train, cfg.dist
+    threads_before = torch.get_num_threads()
     if t.threads:
         torch.set_num_threads(t.threads)
     elif d.backend == "torchft" and "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) > 1:
@@ -78,6 +79,7 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
         return summary
     finally:
         comm.close(clean)
+        torch.set_num_threads(threads_before)
 
 
 DIAGNOSTICS = ("basis_overlap", "residual_energy", "error_feedback_norm")  # averaged into summary.json
