@@ -40,8 +40,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.path.join(out, f"final-{rank}.pt"))
     opt = trainer._lordo()
-    print(json.dumps({"rank": rank, "steps": opt.steps_done, "world": opt.world_size,
-                      "ratio_to_ddp": opt.comm_report()["ratio_to_ddp"]}), flush=True)
+    # a file per rank: two processes' lines on one shared stdout can interleave
+    with open(os.path.join(out, f"row-{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "steps": opt.steps_done, "world": opt.world_size,
+                   "ratio_to_ddp": opt.comm_report()["ratio_to_ddp"]}, f)
 
 
 if __name__ == "__main__":

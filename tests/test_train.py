@@ -101,10 +101,10 @@ def test_help_explains_options(argv, capsys):
 
 def test_cli_gloo_workers_match_the_simulator(data_dir, tmp_path):
     """`lordo train --backend gloo --workers 2` starts two processes; they must train exactly what the
-    simulator trains, and count the same bytes."""
+    simulator trains, and count the same bytes. One thread everywhere: a step's float sums depend on the count."""
     common = ["train", "--model", "nano", "--steps", "12", "--strategy", "local-adam", "--workers", "2",
               "--sync-every", "5", "--data-dir", str(data_dir), "--set", "schedule.warmup_steps=2",
-              "--set", "train.eval_every=6", "--set", "train.eval_batches=2"]
+              "--set", "train.eval_every=6", "--set", "train.eval_batches=2", "--set", "train.threads=1"]
     done = subprocess.run([sys.executable, "-m", "lordo.cli", *common, "--backend", "gloo", "--out", str(tmp_path / "gloo")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
