@@ -80,6 +80,24 @@ def _entry(fn, rank, world, port, queue, args, environ):
 
 
 @contextlib.contextmanager
+def gloo_group():
+    """The process group of a worker that builds its own (FSDP2's mesh needs one before lordo does). A worker that
+    got through leaves in order: a barrier, so no rank closes its connections while a peer still reads from them
+    (gloo fails that peer with 'Read error'), then the group is destroyed in this process, not at interpreter exit.
+    A worker that raised tears its group down at once: a peer may be dead, and a barrier would wait for it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def one_thread():
     """Run the simulator with one intra-op thread, like the gloo workers (``_entry``): GEMM results depend on
     the thread count in their last bits, so only then can simulator and gloo be compared bit for bit."""

@@ -3,6 +3,7 @@ by lordo.hf.LoRDOTrainer, resumed from a checkpoint when one is named; writes it
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -22,8 +23,16 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
+def group_left_at_exit(path: str) -> None:
+    """Runs after LoRDOTrainer's exit handler (registered before the trainer, and atexit runs the last first)."""
+    with open(path, "w") as f:
+        json.dump({"initialized": torch.distributed.is_initialized()}, f)
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
+    os.makedirs(out, exist_ok=True)
+    atexit.register(group_left_at_exit, os.path.join(out, f"exit-{os.environ.get('RANK', '0')}.json"))
     resume = sys.argv[3] if len(sys.argv) > 3 else None
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

@@ -322,6 +322,31 @@ def test_closing_after_an_error_waits_for_no_peer():
     assert status == "ok" and seconds < 2.0
 
 
+LEFT_OPEN = """
+import atexit, sys, torch, torch.distributed as dist
+import lordo
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))  # runs after lordo's handler (registered later)
+model = torch.nn.Linear(4, 4)
+opt = lordo.distributed(model, "lordo", backend="gloo", rank=2, sync_every=2, timeout_s=30)
+for _ in range(2):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+"""  # and no opt.close(): the script ends with lordo's process group open
+
+
+def test_a_script_that_never_closes_its_optimizer_has_its_group_destroyed_before_the_teardown():
+    """torch's own teardown of a live gloo group, at interpreter exit, can abort the process (SIGABRT, after a run
+    that went well): the group lordo created goes before that, while the interpreter is whole."""
+    import subprocess
+
+    from harness import free_port
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "group at exit: False" in done.stdout, done.stdout
+
+
 def test_workers_do_not_outlive_a_killed_launcher(tmp_path):
     """SIGKILL to the launcher (nothing of it runs to forward a signal): each worker gets SIGTERM from the kernel
     (PR_SET_PDEATHSIG) and ends, instead of training on without a parent."""

@@ -8,7 +8,7 @@ from torch import nn
 
 from lordo.optim import LowRankQHAdam, fsdp_placement
 
-from harness import run_gloo
+from harness import gloo_group, run_gloo
 
 
 class TwoSides(nn.Module):
@@ -63,8 +63,7 @@ def sharded_worker(options: dict, steps: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    try:
+    with gloo_group():
         rank = dist.get_rank()
         model = TwoSides()
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), shard_placement_fn=fsdp_placement)
@@ -77,8 +76,6 @@ def sharded_worker(options: dict, steps: int):
         whole = [p.full_tensor().detach().clone() for p in model.parameters()]
         local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
         return whole, local, opt.state_bytes()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -138,8 +135,7 @@ def lean_sharded_worker(steps: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    try:
+    with gloo_group():
         model = Wide()
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)), shard_placement_fn=fsdp_placement)
         opt = wide_optimizer(model, **LEAN_OPTIMIZER)
@@ -153,8 +149,6 @@ def lean_sharded_worker(steps: int):
                 out.append([p.full_tensor().detach().clone() for p in model.parameters()])
         codes = {name: sorted(k for k in opt.state[p] if k.endswith(".codes")) for name, p in model.named_parameters()}
         return out, codes
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_lean_state_on_sharded_parameters_stays_within_its_rounding_of_float32():
@@ -188,8 +182,7 @@ def wrong_placement_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo")
-    try:
+    with gloo_group():
         model = TwoSides()
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))  # Shard(0) for every matrix
         try:
@@ -197,8 +190,6 @@ def wrong_placement_worker():
         except ValueError as exc:
             return str(exc)
         return "no error"
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_left_side_matrix_split_by_rows_is_refused_with_the_fix():
@@ -226,33 +217,32 @@ def lordo_worker(name: str, ranks_per_worker: int, shard: bool, steps: int, opti
 
     from harness import batch, tiny_model
 
-    dist.init_process_group("gloo")
-    rank, r = dist.get_rank(), ranks_per_worker
-    mesh = lordo.worker_mesh(r) if shard else None
-    model, spare = tiny_model(), tiny_model()
-    if shard:
-        fully_shard(model, mesh=mesh, shard_placement_fn=fsdp_placement)
-        fully_shard(spare, mesh=mesh, shard_placement_fn=fsdp_placement)
-    opt = lordo.distributed(model, name, lr=1e-2, sync_every=3, backend="gloo", timeout_s=60, ranks_per_worker=r,
-                            **options)
-    worker, member, part = rank // r, rank % r, 4 // r
-    try:
-        for step in range(steps):
-            x, y = batch(worker, step, size=4)
-            model(x[member * part:(member + 1) * part], y[member * part:(member + 1) * part])[1].backward()
-            opt.step()
-        with torch.no_grad():  # evaluations (FSDP2 keeps the root's parameters gathered after them)
-            model(x, y), spare(x, y)
-        opt.average_into(spare)  # between synchronisations: the workers' mean
-        mean = [(p.full_tensor() if shard else p).detach().clone() for p in spare.parameters()]
-        stats = opt.finish()
-        whole = [(p.full_tensor() if shard else p).detach().clone() for p in model.parameters()]
-        counters = [t for state in opt.strategy.workers[0].optimizer.state.values() for t in state.values()
-                    if isinstance(t, torch.Tensor) and t.ndim == 0]  # step counts: every rank holds its own
-        return whole, opt.ledger.table(), stats, opt.memory_report(), mean, sum(t.element_size() for t in counters)
-    finally:
-        opt.close()
-        dist.destroy_process_group()
+    with gloo_group():
+        rank, r = dist.get_rank(), ranks_per_worker
+        mesh = lordo.worker_mesh(r) if shard else None
+        model, spare = tiny_model(), tiny_model()
+        if shard:
+            fully_shard(model, mesh=mesh, shard_placement_fn=fsdp_placement)
+            fully_shard(spare, mesh=mesh, shard_placement_fn=fsdp_placement)
+        opt = lordo.distributed(model, name, lr=1e-2, sync_every=3, backend="gloo", timeout_s=60, ranks_per_worker=r,
+                                **options)
+        worker, member, part = rank // r, rank % r, 4 // r
+        try:
+            for step in range(steps):
+                x, y = batch(worker, step, size=4)
+                model(x[member * part:(member + 1) * part], y[member * part:(member + 1) * part])[1].backward()
+                opt.step()
+            with torch.no_grad():  # evaluations (FSDP2 keeps the root's parameters gathered after them)
+                model(x, y), spare(x, y)
+            opt.average_into(spare)  # between synchronisations: the workers' mean
+            mean = [(p.full_tensor() if shard else p).detach().clone() for p in spare.parameters()]
+            stats = opt.finish()
+            whole = [(p.full_tensor() if shard else p).detach().clone() for p in model.parameters()]
+            counters = [t for state in opt.strategy.workers[0].optimizer.state.values() for t in state.values()
+                        if isinstance(t, torch.Tensor) and t.ndim == 0]  # step counts: every rank holds its own
+            return whole, opt.ledger.table(), stats, opt.memory_report(), mean, sum(t.element_size() for t in counters)
+        finally:
+            opt.close()
 
 
 STRATEGIES = {"lordo": {"rank": 2}, "lordo-local": {"rank": 2},
@@ -295,15 +285,13 @@ def test_workers_sharded_over_their_ranks_equal_workers_whose_ranks_hold_the_who
 
 
 def refusals_worker():
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     import lordo
 
     from harness import tiny_model
 
-    dist.init_process_group("gloo")
-    try:
+    with gloo_group():
         model = tiny_model()
         fully_shard(model, mesh=lordo.worker_mesh(2), shard_placement_fn=fsdp_placement)
         partly = tiny_model()
@@ -316,8 +304,6 @@ def refusals_worker():
             except lordo.ConfigError as exc:
                 messages.append(str(exc))
         return messages
-    finally:
-        dist.destroy_process_group()
 
 
 def test_what_a_sharded_model_cannot_do_is_refused_by_name():
@@ -346,28 +332,27 @@ def resumed_worker(steps: int, stop_at: int | None, options: dict, d_model: int)
         return model, lordo.distributed(model, "lordo", lr=1e-2, sync_every=3, backend="gloo", timeout_s=60,
                                         ranks_per_worker=2, **({"rank": 2} | options))
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model, opt = build()
-    try:
-        for step in range(steps):
-            if step == stop_at:
-                saved_model = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-                saved = opt.state_dict()
-                opt.close()
-                model, opt = build()
-                for k, v in model.state_dict().items():
-                    v.to_local().copy_(saved_model[k])
-                opt.load_state_dict(saved)
-            x, y = batch(rank // 2, step, size=4)
-            model(x[rank % 2 * 2:rank % 2 * 2 + 2], y[rank % 2 * 2:rank % 2 * 2 + 2])[1].backward()
-            opt.step()
-        opt.finish()
-        keys = {key for state in opt.strategy.workers[0].optimizer.state.values() for key in state}
-        return [p.full_tensor().detach().clone() for p in model.parameters()], keys
-    finally:
-        opt.close()
-        dist.destroy_process_group()
+    with gloo_group():
+        rank = dist.get_rank()
+        model, opt = build()
+        try:
+            for step in range(steps):
+                if step == stop_at:
+                    saved_model = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+                    saved = opt.state_dict()
+                    opt.close()
+                    model, opt = build()
+                    for k, v in model.state_dict().items():
+                        v.to_local().copy_(saved_model[k])
+                    opt.load_state_dict(saved)
+                x, y = batch(rank // 2, step, size=4)
+                model(x[rank % 2 * 2:rank % 2 * 2 + 2], y[rank % 2 * 2:rank % 2 * 2 + 2])[1].backward()
+                opt.step()
+            opt.finish()
+            keys = {key for state in opt.strategy.workers[0].optimizer.state.values() for key in state}
+            return [p.full_tensor().detach().clone() for p in model.parameters()], keys
+        finally:
+            opt.close()
 
 
 # the lean state in 8 bits (anchor, error feedback, full-rank and low-rank moments), on a model wide enough that each

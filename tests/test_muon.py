@@ -272,12 +272,12 @@ def test_the_muon_form_refuses_what_it_does_not_do():
 def _sharded_refusals():
     """In a gloo process of its own (a process group left in pytest's process would hang a later fork):
     each Muon optimizer given a DTensor matrix, the error it raises; and MuonAdamW given a plain one."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo")
-    try:
+    from harness import gloo_group
+
+    with gloo_group():
         mesh = init_device_mesh("cpu", (1,))
         w = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
         b = nn.Parameter(torch.zeros(4))
@@ -291,8 +291,6 @@ def _sharded_refusals():
                 errors.append(str(exc))
         MuonAdamW([{"params": [nn.Parameter(torch.randn(8, 4))], "muon": True}, {"params": [b], "muon": False}])
         return errors
-    finally:
-        dist.destroy_process_group()
 
 
 def test_both_muon_optimizers_refuse_matrices_sharded_by_fsdp2():

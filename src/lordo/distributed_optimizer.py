@@ -342,7 +342,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.comm.is_main
 
     def close(self) -> None:
-        """Release the process group if this object created it (not one the caller initialised)."""
+        """Release the process group if this object created it (not one the caller initialised). A script that
+        never calls it still has that group destroyed at exit, before the interpreter's teardown (where a live gloo
+        group can abort the process)."""
         if self._owns_comm:
             self.comm.close()
 

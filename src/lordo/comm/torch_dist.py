@@ -7,6 +7,7 @@ Collectives are bucketed (one flat buffer per dtype) and have a timeout; a failu
 
 from __future__ import annotations
 
+import atexit
 import copy
 import datetime as _dt
 import os
@@ -32,6 +33,28 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ENV_KEYS)
+
+
+_EXIT_HANDLER_REGISTERED = False
+
+
+def destroy_group_at_exit() -> None:
+    """Have the process group destroyed at interpreter exit if nothing destroyed it before (a script that never
+    calls ``opt.close()`` or ``dist.destroy_process_group()``, as Hugging Face's Trainer scripts never do): torch's
+    own teardown of a live gloo group during the interpreter's finalisation can abort the process after a run that
+    went well (``terminate called without an active exception``, SIGABRT). No barrier there: a peer may be dead."""
+    global _EXIT_HANDLER_REGISTERED
+    if not _EXIT_HANDLER_REGISTERED:
+        atexit.register(_destroy_group_left_open)
+        _EXIT_HANDLER_REGISTERED = True
+
+
+def _destroy_group_left_open() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - never fail at exit
+            pass
 
 
 def _buckets(tensors) -> list[list[torch.Tensor]]:
@@ -129,6 +152,7 @@ class TorchDistCommunicator(Communicator):
                     f"could not join the process group as rank {rank} of {world} at "
                     f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} ({backend}): {exc}"
                 ) from exc
+            destroy_group_at_exit()  # a script that never calls close() still exits cleanly
         super().__init__(world, [rank])
         self.backend = backend
         self.rank = rank
