@@ -54,10 +54,13 @@ def test_train_threads_hold_for_the_run_and_the_callers_count_comes_back(data_di
     wanted = 1 if before != 1 else 2
     run_nano(data_dir, tmp_path / "a", steps=6, extra=[f"train.threads={wanted}"])
     assert seen == [wanted] and torch.get_num_threads() == before
-    from lordo.errors import DataError
+    from lordo.errors import ConfigError, DataError
 
     with pytest.raises(DataError, match="corpus archive .* is missing"):  # a run that fails gives the count back too
         run_nano(tmp_path / "no-corpus", tmp_path / "b", steps=6, extra=[f"train.threads={wanted}"])
+    assert torch.get_num_threads() == before
+    with pytest.raises(ConfigError, match="train.device is 'cuda'"):  # and one that fails before its communicator
+        run_nano(data_dir, tmp_path / "c", steps=6, extra=[f"train.threads={wanted}", 'train.device="cuda"'])
     assert torch.get_num_threads() == before
 
 

@@ -55,12 +55,27 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
     """Run one training job described by ``cfg``; the main process writes config.json, metrics.jsonl and
     summary.json to ``out_dir`` (None: ``runs/<preset>-<strategy>-<time>``, named by the main process) and
     returns the summary (other processes return it too, without files). The main process holds a lock on
-    the folder for the run. ``train.threads`` holds for the run; the caller's thread count is restored after it."""
+    the folder for the run. ``train.threads`` holds for the run; the caller's thread count is restored after it,
+    however the run ends."""
+    with _thread_count(cfg.train.threads):
+        return _train(cfg, out_dir, log, stream)
+
+
+@contextlib.contextmanager
+def _thread_count(threads: int):
+    """torch's intra-op thread count at ``threads`` inside (0: left as it is), the caller's back after."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None], stream: TextIO | None) -> dict:
     t, d = cfg.train, cfg.dist
-    threads_before = torch.get_num_threads()
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    elif d.backend == "torchft" and "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) > 1:
+    if not t.threads and d.backend == "torchft" and "OMP_NUM_THREADS" not in os.environ and (os.cpu_count() or 1) > 1:
         # a torchft worker is started on its own: nothing divides the cores among the workers of one machine
         log(f"note: this torchft worker uses all {os.cpu_count()} cores (torch's default); with several workers on "
             "one machine give each its share, --set train.threads=CORES/WORKERS: two workers on 2 cores trained "
@@ -79,7 +94,6 @@ def train(cfg: Config, out_dir: str | Path | None, log: Callable[[str], None] = 
         return summary
     finally:
         comm.close(clean)
-        torch.set_num_threads(threads_before)
 
 
 DIAGNOSTICS = ("basis_overlap", "residual_energy", "error_feedback_norm")  # averaged into summary.json
