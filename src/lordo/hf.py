@@ -16,8 +16,9 @@ subclass keeps the model unwrapped, so each process is one LoRDO worker training
   workers' error feedback and moments differ, and a resume gives each its own back. Checkpoints are taken at
   synchronisations (``save_steps`` a multiple of ``sync_every``), where every worker holds the same model;
 - synchronises once more when training ends: every worker holds the same model, the one the Trainer saves;
-- destroys the process group when the script exits, if the script has not: a gloo group left to the interpreter's
-  teardown can abort the process (``terminate called without an active exception``) after training went well.
+- destroys the process group when the script exits, if the script has not (lordo's communicator sees to it): a gloo
+  group left to the interpreter's teardown can abort the process (``terminate called without an active exception``)
+  after training went well.
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ class LoRDOTrainer(transformers.Trainer):
     def __init__(self, *args: Any, lordo_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.lordo_options = dict(lordo_options or {})
         super().__init__(*args, **kwargs)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # Accelerate's group, under torchrun
-            from .comm.torch_dist import destroy_group_at_exit
-
-            destroy_group_at_exit()  # the scripts never destroy it, and a gloo group left to the teardown can abort
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
             warnings.warn(f"TrainingArguments.max_grad_norm = {self.args.max_grad_norm} is not applied: LoRDO clips the "
                           "gradients inside its step (grad_clip, 0.5 by default: lordo_options={'grad_clip': ...}); "

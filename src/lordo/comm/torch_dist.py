@@ -152,7 +152,9 @@ class TorchDistCommunicator(Communicator):
                     f"could not join the process group as rank {rank} of {world} at "
                     f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} ({backend}): {exc}"
                 ) from exc
-            destroy_group_at_exit()  # a script that never calls close() still exits cleanly
+        # the group goes at exit if nothing else destroyed it: ours when a script never calls close(), a caller's
+        # (Accelerate's under Hugging Face's Trainer, whose scripts never destroy it) alike
+        destroy_group_at_exit()
         super().__init__(world, [rank])
         self.backend = backend
         self.rank = rank
