@@ -12,6 +12,7 @@ import copy
 import datetime as _dt
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,13 +37,16 @@ def launched_by_torchrun() -> bool:
 
 
 _EXIT_HANDLER_REGISTERED = False
+_COMMUNICATORS: weakref.WeakSet = weakref.WeakSet()  # every live one: a round in flight settles before the group goes
 
 
 def destroy_group_at_exit() -> None:
     """Have the process group destroyed at interpreter exit if nothing destroyed it before (a script that never
     calls ``opt.close()`` or ``dist.destroy_process_group()``, as Hugging Face's Trainer scripts never do): torch's
     own teardown of a live gloo group during the interpreter's finalisation can abort the process after a run that
-    went well (``terminate called without an active exception``, SIGABRT). No barrier there: a peer may be dead."""
+    went well (``terminate called without an active exception``, SIGABRT). A synchronisation still in flight
+    (``sync_delay``) is let end first, however the script ends (``sys.exit``, an exception): a group destroyed
+    under its exchange aborts the process too. No barrier there: a peer may be dead."""
     global _EXIT_HANDLER_REGISTERED
     if not _EXIT_HANDLER_REGISTERED:
         atexit.register(_destroy_group_left_open)
@@ -50,6 +54,8 @@ def destroy_group_at_exit() -> None:
 
 
 def _destroy_group_left_open() -> None:
+    for comm in list(_COMMUNICATORS):
+        comm.settle_round()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -161,6 +167,7 @@ class TorchDistCommunicator(Communicator):
         self.ops = GroupOps(None, list(range(world)), self._run)
         self._side: TorchDistCommunicator | None = None  # the view start_round's exchanges run on
         self._round: RoundHandle | None = None
+        _COMMUNICATORS.add(self)
 
     def start_round(self, exchange: Callable[[Communicator], Any]) -> RoundHandle:
         """The exchange in a thread, on a process group of its own (made at the first call: every process
@@ -175,6 +182,16 @@ class TorchDistCommunicator(Communicator):
         side = self._side
         self._round = RoundHandle(self.ledger, lambda: exchange(side))
         return self._round
+
+    def settle_round(self) -> bool:
+        """Let a round still in flight end before the group goes: it arrives (its peers started it at the same
+        step, so it does unless one died) or its collective fails at the timeout. Returns whether it arrived;
+        its error, if any, is dropped (something else is already ending the run)."""
+        handle, self._round = self._round, None
+        if handle is None or handle.thread is None:
+            return handle is None or handle.error is None
+        handle.thread.join(self.timeout.total_seconds() + 5.0)
+        return handle.done and handle.error is None
 
     @property
     def is_node_main(self) -> bool:
@@ -247,14 +264,12 @@ class TorchDistCommunicator(Communicator):
         (no rank tears its group down while a peer is still in a collective), then each rank destroys its group,
         and rank 0, which hosts the rendezvous store, waits until every other rank has done so before it
         returns (a peer that loses the store or its gloo connections mid-teardown can abort). ``clean=False``
-        (an error is on its way out) skips both waits: a peer may be dead."""
+        (an error is on its way out) skips both waits: a peer may be dead. A round still in flight ends first either
+        way (it arrives, or its collective fails at the timeout): a group destroyed under it aborts the process."""
         if not (self.owns_group and dist.is_initialized()):
             return
-        if clean and self._round is not None:  # a round still in flight finishes first (its peers are in it too)
-            try:
-                self._round.wait()
-            except Exception:
-                clean = False
+        if not self.settle_round():  # a round in flight ends first (its peers are in it too), whatever the exit
+            clean = False
         if clean:
             try:
                 dist.barrier()
