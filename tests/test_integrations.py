@@ -130,3 +130,41 @@ def test_lordo_s_trainer_refuses_checkpoints_between_synchronisations(tmp_path):
                                           report_to=[], use_cpu=True)
     with pytest.raises(ConfigError, match=r"save_steps \(3\) must be a multiple of sync_every \(4\)"):
         lordo.hf.LoRDOTrainer(model=tiny_llama(), args=args, train_dataset=Tokens(), lordo_options={"sync_every": 4})
+
+
+def lordo_trainer_run(out, steps, resume=None):
+    import lordo.hf
+
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=4, save_strategy="steps", save_steps=4,
+        logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0, max_grad_norm=0.0, disable_tqdm=True,
+        dataloader_num_workers=0)
+    model = tiny_llama()
+    trainer = lordo.hf.LoRDOTrainer(model=model, args=args, train_dataset=Tokens(),
+                                    lordo_options={"rank": 4, "sync_every": 4})
+    trainer.train(resume_from_checkpoint=resume)
+    return model
+
+
+def test_lordo_s_trainer_resumes_from_the_newest_checkpoint_every_worker_finished(tmp_path):
+    """A worker killed while the Trainer saved left its optimizer file cut short in a folder that looks complete
+    (the main process wrote trainer_state.json): resume_from_checkpoint=True took that folder and failed in
+    torch.load. It takes the checkpoint before it, with a warning, and trains to the uninterrupted run's model; a
+    cut file named explicitly is refused in one line that says so."""
+    import shutil
+
+    import lordo.hf
+
+    full = lordo_trainer_run(tmp_path / "full", 8)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", cut, ignore=shutil.ignore_patterns("runs"))
+    shutil.rmtree(cut / "checkpoint-8")
+    shutil.copytree(tmp_path / "full" / "checkpoint-4", cut / "checkpoint-8")  # a later save ...
+    state = cut / "checkpoint-8" / "optimizer-rank0.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # ... whose worker was killed while writing
+    with pytest.raises(lordo.ConfigError, match="holds no complete optimizer state of worker 0 .* cut short"):
+        lordo_trainer_run(tmp_path / "again", 8, resume=str(cut / "checkpoint-8"))
+    with pytest.warns(UserWarning, match="checkpoint-8 is not resumed from: optimizer-rank0.pt"):
+        resumed = lordo_trainer_run(cut, 8, resume=True)  # (its own save at step 8 then replaces the cut folder)
+    for a, b in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)

@@ -14,7 +14,9 @@ subclass keeps the model unwrapped, so each process is one LoRDO worker training
   clipping twice changes the step; ``max_grad_norm`` left at its default is not applied, with one warning;
 - saves and loads each worker's optimizer state in the Trainer's checkpoints (``optimizer-rank{R}.pt``): the
   workers' error feedback and moments differ, and a resume gives each its own back. Checkpoints are taken at
-  synchronisations (``save_steps`` a multiple of ``sync_every``), where every worker holds the same model;
+  synchronisations (``save_steps`` a multiple of ``sync_every``), where every worker holds the same model. Each
+  file is written whole or not at all, and ``resume_from_checkpoint=True`` takes the newest checkpoint that every
+  worker finished saving (a worker killed while saving leaves the one before);
 - synchronises once more when training ends: every worker holds the same model, the one the Trainer saves;
 - destroys the process group when the script exits, if the script has not (lordo's communicator sees to it): a gloo
   group left to the interpreter's teardown can abort the process (``terminate called without an active exception``)
@@ -23,14 +25,19 @@ subclass keeps the model unwrapped, so each process is one LoRDO worker training
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import warnings
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
+from .files import atomic_write
 
 try:
     import transformers
@@ -98,23 +105,68 @@ class LoRDOTrainer(transformers.Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self._lordo()
         os.makedirs(output_dir, exist_ok=True)  # every worker writes its own file, the main process's folder or not yet
-        torch.save(opt.state_dict(), os.path.join(output_dir, f"optimizer-rank{self.args.process_index}.pt"))
+        _save(opt.state_dict(), Path(output_dir) / _optimizer_file(self.args.process_index))
         if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+            _save(self.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, f"optimizer-rank{self.args.process_index}.pt")
-        if not os.path.isfile(path):
-            raise ConfigError(f"{checkpoint} holds no optimizer state of worker {self.args.process_index} ({path}): it was "
-                              "saved by another number of processes, or not by LoRDOTrainer")
+        rank, world = self.args.process_index, self.args.world_size
+        path = Path(checkpoint) / _optimizer_file(rank)
+        if not _readable(path):
+            saved = sorted(int(m.group(1)) for f in Path(checkpoint).glob("optimizer-rank*.pt")
+                           if (m := re.fullmatch(r"optimizer-rank(\d+)\.pt", f.name)))
+            why = (f"it was saved by {len(saved)} processes, this run has {world}"
+                   if saved and saved == list(range(len(saved))) and len(saved) != world
+                   else "its save was cut short (a worker stopped while writing it): resume from the checkpoint before "
+                        "it, or with resume_from_checkpoint=True, which takes the newest complete one")
+            raise ConfigError(f"{checkpoint} holds no complete optimizer state of worker {rank} ({path}): {why}")
         self._lordo().load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
         schedule = os.path.join(checkpoint, "scheduler.pt")
         if os.path.isfile(schedule) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:  # the Trainer's own pick is the newest folder, complete or not
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, self.args.world_size)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
         self._lordo().finish()  # every worker now holds the same model
         return result
+
+
+def _optimizer_file(rank: int) -> str:
+    return f"optimizer-rank{rank}.pt"
+
+
+def _save(obj: Any, path: Path) -> None:
+    """``torch.save`` written whole or not at all: a worker killed while saving leaves no file that looks complete."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write(path, buffer.getvalue())
+
+
+def _readable(path: Path) -> bool:
+    """Whether ``path`` is a whole ``torch.save`` file (a zip archive whose central directory, written last, is there)."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def last_complete_checkpoint(output_dir: str, world_size: int) -> str:
+    """The newest ``checkpoint-N`` folder of ``output_dir`` that holds the Trainer's state and every worker's whole
+    optimizer file: a worker killed while the others saved leaves a folder that looks complete to the Trainer's own
+    pick. Names each one it passes over; raises :class:`ConfigError` when none is complete."""
+    found = sorted(((int(m.group(1)), f) for f in Path(output_dir).glob("checkpoint-*")
+                    if f.is_dir() and (m := re.fullmatch(r"checkpoint-(\d+)", f.name))), reverse=True)
+    for _, folder in found:
+        missing = [name for name in ["trainer_state.json", *map(_optimizer_file, range(world_size))]
+                   if not (_readable(folder / name) if name.endswith(".pt") else (folder / name).is_file())]
+        if not missing:
+            return str(folder)
+        warnings.warn(f"{folder} is not resumed from: {', '.join(missing)} missing or cut short (its save was "
+                      "interrupted); taking the checkpoint before it", UserWarning, stacklevel=3)
+    raise ConfigError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir} "
+                      f"({len(found)} checkpoint folders, none with every worker's optimizer state)")
