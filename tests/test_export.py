@@ -155,3 +155,30 @@ def test_lordo_eval_scores_a_local_task_as_lordo_s_own_likelihoods_do(tmp_path, 
     (tmp_path / "sweep" / "a" / "summary.json").write_text(json.dumps(summary))
     table = write_report(tmp_path / "sweep").read_text()
     assert "| lordo_tiny |" in table and f"| {scores['acc']:.4f} |" in table  # lordo report: a column per task
+
+
+def test_a_failed_export_leaves_nothing_and_the_retry_works(tmp_path, data_dir, dataset, monkeypatch, capsys):
+    """A full disk in the middle of the export left DIR/config.json and a safetensors traceback, and the retry was
+    refused because DIR already held files. Now one line names the file and the cause, DIR is not there, and the
+    same command then exports."""
+    import errno
+
+    import safetensors.torch
+
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    real = safetensors.torch.save_file
+
+    def disk_full(state, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 100)  # what got written before the disk filled
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    command = ["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]
+    assert main(command) != 0
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "model.safetensors" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists() and list(tmp_path.iterdir()) == [tmp_path / "run"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert main(command) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()

@@ -12,8 +12,11 @@ and the run's tokenizer as a fast tokenizer (``tokenizer.json`` with its config)
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,7 +210,9 @@ def llama_config(cfg: GPTConfig, eot_id: int | None) -> dict[str, Any]:
 
 
 def export_hf(trained: TrainedModel, out: str | Path) -> Path:
-    """Write ``trained`` as a Hugging Face LlamaForCausalLM folder ``out`` (refused if it already holds files)."""
+    """Write ``trained`` as a Hugging Face LlamaForCausalLM folder ``out`` (refused if it already holds files). The
+    files are written into a staging folder beside ``out`` and moved into place whole: a failed export (a full disk,
+    an interrupted process) leaves no ``out``, so the same command can be run again."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -222,18 +227,47 @@ def export_hf(trained: TrainedModel, out: str | Path) -> Path:
 
         tokenizer = Tokenizer.from_file(str(trained.tokenizer_file))
         eot_id = tokenizer.token_to_id(EOT)
-    out.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.export-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
+        _write_llama(trained, stage, tokenizer, eot_id, save_file)
+        if out.exists():
+            out.rmdir()  # empty (checked above): rename cannot replace it on every platform
+        stage.rename(out)
+    except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ExportError(f"could not export to {out}{where}: {exc.strerror or exc}; nothing was left there") from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_llama(trained: TrainedModel, out: Path, tokenizer: Any, eot_id: int | None, save_file: Any) -> None:
     cfg = trained.model.cfg
     (out / "config.json").write_text(json.dumps(llama_config(cfg, eot_id), indent=2))
     state = llama_state(trained.model)
     state.pop("lm_head.weight", None)  # tied: the embedding is the head
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _library_write(lambda path: save_file(state, path, metadata={"format": "pt"}), out / "model.safetensors")
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eot_id, "eos_token_id": eot_id}, indent=2))
     if tokenizer is not None:
-        tokenizer.save(str(out / "tokenizer.json"))
+        _library_write(tokenizer.save, out / "tokenizer.json")
         special = {"eos_token": EOT, "bos_token": EOT, "unk_token": EOT} if eot_id is not None else {}
         (out / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len, "clean_up_tokenization_spaces": False,
             **special}, indent=2))
         (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    return out
+
+
+def _library_write(write: Any, path: Path) -> None:
+    """``write(str(path))`` by safetensors or tokenizers, whose failed writes (a full disk) come as their own error
+    types: as an ``OSError`` naming the file."""
+    try:
+        write(str(path))
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the libraries' Rust errors have no common Python base
+        raise OSError(errno.EIO, str(exc).splitlines()[0] if str(exc) else type(exc).__name__, str(path)) from None
