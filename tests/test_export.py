@@ -182,3 +182,57 @@ def test_a_failed_export_leaves_nothing_and_the_retry_works(tmp_path, data_dir, 
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     assert main(command) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0"),
+    (["--seed", str(10**20)], "seed must be an integer from"),
+    (["--top-k", "40"], "give a temperature > 0, or leave top_k at 0"),
+])
+def test_sampling_settings_torch_cannot_take_are_refused_in_one_line(tmp_path, data_dir, dataset, capsys, flags, message):
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "To be", "--tokens", "3", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token(tmp_path, data_dir, dataset):
+    """1e-45 divided the logits into inf and the softmax into NaN (torch.multinomial's traceback); the limit of a
+    temperature going to 0 is the greedy choice, and that is what it now gives."""
+    model = fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    prompt = dataset.tokenizer().encode("To be").ids
+    assert generate(model, prompt, 8, temperature=1e-45, seed=3) == generate(model, prompt, 8, temperature=0.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "toaster"], "--device 'toaster': not a device"),
+    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "mps"], "--device"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_eval_refuses_bad_settings_before_the_harness_starts(tmp_path, data_dir, dataset, capsys, flags, message):
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "piqa", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_eval_refuses_a_damaged_scores_file_before_scoring(tmp_path, data_dir, dataset, capsys):
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    (tmp_path / "run" / "eval.json").write_text('{"tasks": {"piqa": {"acc": 0.5')
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "piqa"]) == 2
+    assert "eval.json cannot be read" in capsys.readouterr().err
+    assert (tmp_path / "run" / "eval.json").read_text() == '{"tasks": {"piqa": {"acc": 0.5'  # left as it was
+
+
+def test_eval_without_internet_names_the_local_task_route(tmp_path, data_dir, dataset, monkeypatch, capsys):
+    lm_eval = pytest.importorskip("lm_eval")
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+
+    def offline(**_):
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", offline)
+    assert main(["eval", str(tmp_path / "run"), "--tasks", "piqa"]) == 2
+    err = capsys.readouterr().err
+    assert "Couldn't reach 'baber/piqa'" in err and "--include-path" in err and "Traceback" not in err

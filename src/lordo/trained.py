@@ -81,14 +81,32 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    """Refuse a device torch does not know or this build cannot use, before the harness's set-up."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r}: not a device; use cpu or cuda (cuda:N for one GPU)") from None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: lordo eval runs on cpu or cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r}: torch sees no CUDA GPU (this torch is {torch.__version__}); use cpu")
+
+
 def _eval(args: argparse.Namespace) -> int:
-    from .model.downstream import headline, run_tasks, save_scores
+    from .model.downstream import headline, held_scores, run_tasks, save_scores
 
     tasks = [t for t in args.tasks.split(",") if t]
     if not tasks:
         raise ConfigError("--tasks must name at least one task")
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _check_device(args.device)
+    held_scores(Path(args.run))  # a damaged eval.json or a folder it cannot go into: said before the scoring
     trained = _load(args)
     scores = run_tasks(trained, tasks, args.include_path, args.limit, args.batch_size, args.device)
     path = save_scores(Path(args.run), scores, trained.source, args.limit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,15 @@ def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None 
                           "lists them)")
     with tempfile.TemporaryDirectory() as tmp:
         folder = export_hf(trained, Path(tmp) / "model")
-        results = lm_eval.simple_evaluate(
-            model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=tasks, task_manager=manager,
-            limit=limit, batch_size=batch_size, device=device, log_samples=False)
+        try:
+            results = lm_eval.simple_evaluate(
+                model="hf", model_args=f"pretrained={folder},dtype=float32", tasks=tasks, task_manager=manager,
+                limit=limit, batch_size=batch_size, device=device, log_samples=False)
+        except (ConnectionError, OSError) as exc:  # a task's data set on the Hub, which cannot be reached
+            cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"lm-eval could not load the data of {', '.join(tasks)} ({cause}). Without internet, score "
+                              "a task whose data is on disk: --include-path DIR with a task YAML (docs/training.md, "
+                              "\"Downstream tasks\")") from None
     scores: dict[str, dict[str, float]] = {}
     for task, metrics in results["results"].items():
         numbers = {k.replace(",none", ""): float(v) for k, v in metrics.items()
@@ -56,15 +63,29 @@ def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None 
     return scores
 
 
+def held_scores(run: Path) -> dict[str, Any]:
+    """What ``run/eval.json`` holds ({} if there is none). Called before scoring: a damaged file is refused by name
+    (never replaced without a word), and a folder that cannot take the file is said before the minutes of scoring."""
+    path = run / "eval.json"
+    if not run.is_dir():
+        raise ConfigError(f"{run}: no such run folder")
+    if not os.access(run, os.W_OK):
+        raise ConfigError(f"{run} cannot be written to: the scores go into {path}; make it writable (or copy the run)")
+    if not path.exists():
+        return {}
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} cannot be read ({exc}); move it away and score again (it would be replaced)") from None
+    if not isinstance(held, dict) or not isinstance(held.get("tasks", {}), dict):
+        raise ConfigError(f"{path} is not lordo eval's file (an object with \"tasks\"); move it away and score again")
+    return held
+
+
 def save_scores(run: Path, scores: dict[str, dict[str, float]], source: str, limit: int | None) -> Path:
     """Merge ``scores`` into ``run/eval.json`` (tasks scored before keep their entries unless scored again)."""
     path = run / "eval.json"
-    held: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            held = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            held = {}
+    held = held_scores(run)
     tasks = dict(held.get("tasks", {}))
     for task, metrics in scores.items():
         tasks[task] = {**metrics, "model": source, "limit": limit}
