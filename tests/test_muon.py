@@ -163,7 +163,8 @@ def _ns64(x, steps=5, coefficients=(3.4445, -4.775, 2.0315)):
 class _MuonSpec:
     """The update of LowRankMuon's module doc in float64, term by term (right side: P q×r, proj = A·P)."""
 
-    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank, qh_scale="own"):
+    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank, qh_scale="own", whole=False):
+        self.whole = whole
         self.W, self.P = w.detach().double().clone(), basis.double()
         self.right = w.shape[0] >= w.shape[1]
         self.E, self.M = torch.zeros_like(self.W), None
@@ -189,8 +190,14 @@ class _MuonSpec:
         self.E = A - self.back(g)
         self.M = (1 - self.mu) * g if self.M is None else self.mu * self.M + (1 - self.mu) * g
         N = (1 - self.mu) * g + self.mu * self.M
-        Orth = _ns64(N)
         p, q = self.W.shape
+        if self.whole:  # Newton-Schulz on the p×q mix of the two terms at unit norm, at Muon's own rate
+            X = self.omega * self.back(N) / N.norm() + (1 - self.omega) * A / A.norm()
+            self.W = self.W * (1 - self.lr * self.wd) - self.lr * 0.2 * max(p, q) ** 0.5 * _ns64(X)
+            if self.after_qh == "remove":
+                self.E = self.omega * self.E
+            return
+        Orth = _ns64(N)
         s = 0.2 * max(p, q) ** 0.5 * (min(p, q) / self.rank) ** 0.5
         rho = s * Orth.norm() / (p * q) ** 0.5
         # "own": A's RMS over its p·q entries; "momentum": the RMS of the back-projected momentum, p×q too
@@ -228,13 +235,65 @@ def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):
     assert set(opt.state[w]) >= {"exp_avg", "basis", "error_feedback"} and "exp_avg_sq" not in opt.state[w]
 
 
+@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
+def test_the_whole_step_form_equals_its_formula_in_float64(shape, after_qh):
+    """orthogonalise = "whole": six steps at ω = 0.9 with error feedback and weight decay, a basis change before
+    step 4, both sides, against the formula of the module doc computed in float64."""
+    torch.manual_seed(15)
+    r = 3
+    w = nn.Parameter(torch.randn(shape))
+    q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
+    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
+                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, orthogonalise="whole")
+    opt.set_basis(w, q)
+    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, whole=True)
+    for t in range(1, 7):
+        if t == 4:
+            q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
+            opt.set_basis(w, q2)
+            spec.set_basis(q2)
+        G = torch.randn(shape, dtype=torch.float64)
+        w.grad = G.float()
+        opt.step()
+        spec.step(G)
+        torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
+    assert opt.state[w]["exp_avg"].shape == ((shape[0], r) if shape[0] >= shape[1] else (r, shape[1]))
+
+
+def test_the_whole_step_moves_directions_outside_the_basis_as_far_as_inside():
+    """The point of the setting: with ω = 0.98 the raw term is 2 % of the mix, yet after Newton-Schulz every
+    direction of the update has about the same size, so the part outside span(P) (q − r of q directions) is
+    sqrt((q − r)/r) times the part inside; the r-dimensional form moves it through the scaled raw term only."""
+    torch.manual_seed(16)
+    shape, r = (48, 32), 4
+    ratios = {}
+    for form in ("lowrank", "whole"):
+        w = nn.Parameter(torch.randn(shape))
+        q = torch.linalg.qr(torch.randn(shape[1], r))[0]
+        opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.01, omega=0.98, weight_decay=0.0, ns_dtype=torch.float32,
+                          orthogonalise=form)
+        opt.set_basis(w, q)
+        before = w.detach().clone()
+        w.grad = torch.randn(shape)
+        opt.step()
+        step = w.detach() - before
+        inside = step @ q @ q.T
+        ratios[form] = float((step - inside).norm() / inside.norm())
+    even = ((shape[1] - r) / r) ** 0.5
+    assert 0.8 * even < ratios["whole"] < 1.25 * even and ratios["lowrank"] < 0.5 * even, ratios
+
+
+@pytest.mark.parametrize("orthogonalise", ["lowrank", "whole"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
-def test_at_full_rank_omega_one_and_the_identity_basis_it_is_torchs_muon(shape, adjust):
+def test_at_full_rank_omega_one_and_the_identity_basis_it_is_torchs_muon(shape, adjust, orthogonalise):
     torch.manual_seed(6)
     ours, ref = nn.Parameter(torch.randn(shape)), None
     ref = nn.Parameter(ours.detach().clone())
-    opt = LowRankMuon([{"params": [ours], "rank": min(shape)}], lr=0.02, omega=1.0, weight_decay=0.1, adjust_lr_fn=adjust)
+    opt = LowRankMuon([{"params": [ours], "rank": min(shape)}], lr=0.02, omega=1.0, weight_decay=0.1, adjust_lr_fn=adjust,
+                      orthogonalise=orthogonalise)
     opt.set_basis(ours, torch.eye(min(shape)))
     muon = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
     for _ in range(5):

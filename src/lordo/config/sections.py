@@ -164,6 +164,11 @@ class OptimConfig(_Section):
                             "the momentum Newton-Schulz normalised, so the term weighs against the low-rank step as in "
                             "Adam's form) or own (its own RMS: the term's size is fixed at (1 - omega) of the step)",
                             _choice("momentum", "own"))
+    muon_orthogonalise: str = _f("lowrank", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what Newton-Schulz "
+                                 "runs on: lowrank (the r-dimensional momentum; the full-rank term added beside it, "
+                                 "scaled) or whole (the p x q step omega back(N)/|N| + (1 - omega) Q/|Q|, at Muon's own "
+                                 "rate: every direction moves; the state stays low-rank; full-rank Muon's cost per step)",
+                                 _choice("lowrank", "whole"))
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,15 @@ error feedback E::
     Q = G or A (qh_source) ;  W ← W·(1 − ηλ) − η·(ω·s·back(O) + (1 − ω)·ρ·Q/σ)
     σ = rms(back(N)) (qh_scale "momentum": the size of what was orthogonalised) or rms(Q) ("own")
 
+``orthogonalise = "whole"`` (a setting) orthogonalises the whole p×q step instead, a quasi-hyperbolic Muon whose
+momentum lives in the shared basis and whose remainder is the full-rank term::
+
+    X = ω·back(N)/‖N‖ + (1 − ω)·Q/‖Q‖ ;  W ← W·(1 − ηλ) − η·adjust(p, q)·NS(X)
+
+Newton–Schulz lifts every singular value of X towards 1, so the directions outside the basis move as far as those
+inside it, however small ω leaves their share; the state stays r-dimensional (M) plus E; the cost per step is
+full-rank Muon's iteration on p×q. At ω = 1 it is NS(back(N)): at r = min(p, q) and P = I, torch's Muon again.
+
 ``adjust`` is torch's: ``match_rms_adamw`` 0.2·sqrt(max(p, q)), ``original`` sqrt(max(1, p/q)); the factor
 sqrt(min(p, q)/r) gives the rank-r update the RMS of a full-rank orthogonal one (an orthogonal p×q matrix of
 rank r has RMS sqrt(r/(p·q))). At r = min(p, q), ω = 1 and P = I this is torch's ``torch.optim.Muon`` step. At
@@ -38,6 +47,7 @@ from .subspace import Side
 
 ADJUST_LR = ("match_rms_adamw", "original")
 QH_SCALES = ("momentum", "own")
+ORTHOGONALISE = ("lowrank", "whole")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch's (Keller Jordan's quintic)
 
 
@@ -80,6 +90,7 @@ class MuonOptions:
     adjust: str
     dtype: torch.dtype
     qh_scale: str
+    orthogonalise: str = "lowrank"
 
 
 class LowRankMuon(LowRankQHAdam):
@@ -101,7 +112,8 @@ class LowRankMuon(LowRankQHAdam):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_eps: float = 1e-7,
                  adjust_lr_fn: str = "match_rms_adamw", ns_dtype: torch.dtype = torch.bfloat16,
-                 qh_scale: str = "momentum", betas: tuple[float, float] = (0.9, 0.999), **options) -> None:
+                 qh_scale: str = "momentum", orthogonalise: str = "lowrank", betas: tuple[float, float] = (0.9, 0.999),
+                 **options) -> None:
         for key in ("batched", "compile"):
             if options.get(key):
                 raise ValueError(f"{key}={options[key]!r}: LowRankMuon runs per matrix; leave {key} out")
@@ -111,12 +123,14 @@ class LowRankMuon(LowRankQHAdam):
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR}, got {adjust_lr_fn!r}")
         if qh_scale not in QH_SCALES:
             raise ValueError(f"qh_scale must be one of {QH_SCALES}, got {qh_scale!r}")
+        if orthogonalise not in ORTHOGONALISE:
+            raise ValueError(f"orthogonalise must be one of {ORTHOGONALISE}, got {orthogonalise!r}")
         if not (isinstance(ns_steps, int) and 1 <= ns_steps < 100):
             raise ValueError(f"ns_steps must be an integer in [1, 100), got {ns_steps!r}")
         a, b, c = ns_coefficients
         self.muon = MuonOptions(momentum=momentum, nesterov=nesterov, coefficients=(a, b, c), steps=ns_steps,
                                 eps=ns_eps, adjust=adjust_lr_fn, dtype=ns_dtype,
-                                qh_scale=qh_scale)
+                                qh_scale=qh_scale, orthogonalise=orthogonalise)
         super().__init__(params, lr=lr, betas=betas, batched=False, **options)
 
     def __getstate__(self) -> dict:  # torch's keeps defaults, state and groups only: a copy needs the options too
@@ -154,6 +168,9 @@ class LowRankMuon(LowRankQHAdam):
             buffer, basis = state["exp_avg"], state["basis"].to(weight.dtype)
             buffer.lerp_(g, 1 - mu)
             n = g.lerp(buffer, mu) if m.nesterov else buffer
+            if m.orthogonalise == "whole":
+                self._whole_step(group, weight, n, g, grad, state, basis, side)
+                continue
             o = newton_schulz(n, m.coefficients, m.steps, m.eps, m.dtype).to(weight.dtype)
             s = rank_scale((weight.shape[0], weight.shape[1]), group["rank"], m.adjust)
             left, right = (o, basis.T) if side == Side.RIGHT else (basis, o)
@@ -165,6 +182,22 @@ class LowRankMuon(LowRankQHAdam):
                 weight.addcmul_(q, ratio.to(weight.dtype), value=-lr * (1 - omega))
         if feedback.shrinks(group):
             feedback.shrink(lists.states, omega)
+
+    def _whole_step(self, group: dict, weight: torch.Tensor, n: torch.Tensor, g: torch.Tensor, grad: torch.Tensor,
+                    state: dict, basis: torch.Tensor, side: Side) -> None:
+        """``orthogonalise = "whole"``: Newton–Schulz on the p×q step X = ω·back(N)/‖N‖ + (1 − ω)·Q/‖Q‖, at Muon's
+        own rate: every direction of the matrix moves, those outside the basis through Q (G or G + E), while the
+        momentum stays r-dimensional. The two terms enter at unit norm (so ``qh_scale`` does not apply: Newton–
+        Schulz normalises the sum)."""
+        m, lr, omega = self.muon, float(group["lr"]), group["omega"]
+        x = n @ basis.T if side == Side.RIGHT else basis @ n
+        if omega < 1:  # ‖back(N)‖ = ‖N‖: the basis is orthonormal
+            q = self._qh_input(group, state, g, grad, basis, side)
+            x = x * (omega / n.float().norm().clamp(min=1e-30)).to(x.dtype)
+            x.add_(q * ((1 - omega) / q.float().norm().clamp(min=1e-30)).to(q.dtype))
+        o = newton_schulz(x, m.coefficients, m.steps, m.eps, m.dtype).to(weight.dtype)
+        s = muon_scale((weight.shape[0], weight.shape[1]), m.adjust)
+        weight.mul_(1 - lr * group["weight_decay"]).add_(o, alpha=-lr * s * group["scale"])
 
     @staticmethod
     def _qh_input(group: dict, state: dict, g: torch.Tensor, grad: torch.Tensor, basis: torch.Tensor,

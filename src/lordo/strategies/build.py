@@ -135,7 +135,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
     if o.inner == "muon":  # LoRDO's Muon form (config checks leave compile_step and lowrank_term at their defaults)
         return LowRankMuon(param_groups, momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
                            adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype),
-                           qh_scale=o.muon_qh_scale, **common)
+                           qh_scale=o.muon_qh_scale, orthogonalise=o.muon_orthogonalise, **common)
     return LowRankQHAdam(param_groups, compile=o.compile_step, lowrank_term=s.lowrank_term, **common)
 
 

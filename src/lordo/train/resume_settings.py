@@ -69,6 +69,7 @@ ADDED_FIELDS = {
     ("optim", "muon_adjust_lr"): "match_rms_adamw",
     ("optim", "muon_ns_dtype"): "bfloat16",
     ("optim", "muon_qh_scale"): "own",  # what LoRDO's Muon form did before the setting existed
+    ("optim", "muon_orthogonalise"): "lowrank",
     # read only with strategy.compress = sparse or basis, which an older run cannot have
     ("strategy", "compress_dense"): "int8",
     ("strategy", "compress_density"): 1 / 64,
