@@ -496,3 +496,18 @@ def test_a_config_of_the_first_format_resumes_as_it_ran():
     # built from the file alone, today's defaults apply where the fields are missing: a different run, said
     assert "strategy.error_feedback_after_qh: 'keep' in the checkpoint, 'remove' now" in config_differences(
         saved, build_config(path).to_dict())
+
+
+def test_progress_speaks_inside_a_step_longer_than_its_cadence():
+    """The cadence was checked at step ends, so a slow step (a synchronisation over a slow link) left a minute of
+    silence; a line now says which step is running once the cadence has passed."""
+    from lordo.train.metrics import Progress
+
+    plain = io.StringIO()
+    progress = Progress(10, plain, every=5, at_least_s=0.2)
+    progress.update(3, "loss 3.000 (at step 3)", force=True)
+    time.sleep(0.7)  # step 4 takes long
+    progress.close()
+    lines = plain.getvalue().splitlines()
+    assert lines[0].startswith("step  3/10  loss 3.000 (at step 3)")
+    assert len(lines) >= 2 and all(line.startswith("step  3/10  (step 4 running)  [") for line in lines[1:]), lines

@@ -236,3 +236,20 @@ def test_eval_without_internet_names_the_local_task_route(tmp_path, data_dir, da
     assert main(["eval", str(tmp_path / "run"), "--tasks", "piqa"]) == 2
     err = capsys.readouterr().err
     assert "Couldn't reach 'baber/piqa'" in err and "--include-path" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_whose_save_never_finished_is_neither_offered_nor_exported(tmp_path, data_dir, dataset, capsys):
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    (tmp_path / "run" / "checkpoints" / "step-00000040.partial").mkdir(parents=True)
+    assert main(["export", str(tmp_path / "run"), "--checkpoint", "step-00000040.partial", "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "whose save never finished" in err and "has: none" in err and not (tmp_path / "hf").exists()
+    assert main(["sample", str(tmp_path / "run"), "--checkpoint", "50"]) == 2
+    assert "it has: none" in capsys.readouterr().err  # the .partial folder is not offered
+
+
+def test_the_closing_line_does_not_call_ddp_s_own_bytes_less():
+    from lordo.cli import _against_ddp
+
+    assert _against_ddp(1.0) == "1.000x of what ddp sends (ddp itself)"
+    assert _against_ddp(0.037) == "0.037x of what ddp sends (27.0x less)"

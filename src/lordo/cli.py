@@ -129,11 +129,19 @@ def _print_summary(s: dict, out: Path) -> None:
         walls = ", ".join(f"{k.replace('gbit', ' Gbit/s')}: {v:.0f}s" for k, v in s["modeled_wall_s"].items())
         lines.append(
             f"communication: {s['comm_wire_bytes_total'] / 2**20:,.1f} MiB sent per worker in {s['comm_calls']} "
-            f"collectives, {s['comm_ratio_to_ddp']:.3f}x of what ddp sends ({1 / s['comm_ratio_to_ddp']:.1f}x less); "
+            f"collectives, {_against_ddp(s['comm_ratio_to_ddp'])}; "
             f"modelled wall-clock {walls}"
         )
-    lines.append(f"outputs: {out}/config.json, metrics.jsonl, summary.json")
+    written = [name for name in ("config.json", "metrics.jsonl", "summary.json", "model.pt", "tokenizer.json", "checkpoints/")
+               if (out / name.rstrip("/")).exists()]
+    lines.append(f"outputs: {out}/{', '.join(written)}")
     print("\n".join(lines))
+
+
+def _against_ddp(ratio: float) -> str:
+    if ratio >= 0.9995:
+        return f"{ratio:.3f}x of what ddp sends" + (" (ddp itself)" if ratio < 1.0005 else "")
+    return f"{ratio:.3f}x of what ddp sends ({1 / ratio:.1f}x less)"
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from .errors import ConfigError
 
+NO_TOKENIZER = ("has no tokenizer: neither its folder's tokenizer.json nor its prepared corpus's was found (--data-dir "
+                "names where the corpus is prepared; a run on token files has none)")
+
 
 def add_parsers(sub) -> None:
     s = sub.add_parser("sample", help="text from a run's model: greedy, or sampled at a temperature (seeded)",
@@ -55,7 +58,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     trained = _load(args)
     if trained.tokenizer_file is None:
-        raise ConfigError(f"{args.run} trained on token files without a tokenizer: there is no text to sample")
+        raise ConfigError(f"{args.run} {NO_TOKENIZER}: there is no text to sample")
     tokenizer = Tokenizer.from_file(str(trained.tokenizer_file))
     eot = tokenizer.token_to_id(EOT)
     ids = tokenizer.encode(args.prompt).ids if args.prompt else ([eot] if eot is not None else [])
@@ -76,7 +79,7 @@ def _export(args: argparse.Namespace) -> int:
 
     trained = _load(args)
     folder = export_hf(trained, args.hf)
-    note = "" if trained.tokenizer_file else " (no tokenizer: the run trained on token files)"
+    note = "" if trained.tokenizer_file else f" without a tokenizer (the run {NO_TOKENIZER})"
     print(f"wrote {folder} from {trained.source} of {args.run}{note}", file=sys.stderr)
     return 0
 

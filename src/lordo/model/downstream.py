@@ -36,7 +36,9 @@ def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None 
     """Each task's metrics (numbers only) for ``trained``, scored by the harness on its exported Hugging Face form."""
     lm_eval, task_manager = _lm_eval()
     if trained.tokenizer_file is None:
-        raise ConfigError("this run trained on token files without a tokenizer: the harness needs one to read its tasks")
+        raise ConfigError("the run has no tokenizer: neither its folder's tokenizer.json nor its prepared corpus's was "
+                          "found (--data-dir names where the corpus is prepared; a run on token files has none); the "
+                          "harness needs one to read its tasks")
     manager = task_manager(include_path=include_path) if include_path else task_manager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:

@@ -68,8 +68,11 @@ def _checkpoint_weights(run: Path, checkpoint: str) -> dict[str, torch.Tensor]:
     root = run / "checkpoints"
     name = f"step-{int(checkpoint):08d}" if checkpoint.isdigit() else checkpoint
     folder = root / name
+    found = sorted(p.name for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")) if root.is_dir() else []
+    if name.endswith(".partial"):
+        raise ExportError(f"{folder} is a checkpoint whose save never finished (a .partial folder is renamed when every "
+                          f"process has written it); {run} has: {', '.join(found) or 'none'}")
     if not folder.is_dir():
-        found = sorted(p.name for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
         raise ExportError(f"{run} has no checkpoint {checkpoint!r}; it has: {', '.join(found) or 'none'}")
     try:
         Checkpointer.read_meta(folder)

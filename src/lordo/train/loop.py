@@ -369,9 +369,9 @@ class Trainer(CheckpointMethods):
         return {"val_loss": self.state.val_loss, "val_ppl": math.exp(self.state.val_loss), "eval_model": which}
 
     def _progress_text(self, row: dict[str, Any], lr: float, tokens_per_s: float) -> str:
-        # the training loss of the last metrics row (between rows the last one stays); none yet: say nothing
+        # the training loss of the last metrics row, labelled with its step (between rows it stays); none yet: nothing
         if "train_loss" in row:
-            self._last_loss = f"loss {row['train_loss']:.3f}  "
+            self._last_loss = f"loss {row['train_loss']:.3f} (at step {row['step']})  "
         loss = getattr(self, "_last_loss", "")
         memory = getattr(self, "_memory_text", "")
         return f"{loss}lr {lr:.2e}  {tokens_per_s:,.0f} tok/s{memory}"  # the last val_ppl: Progress keeps it

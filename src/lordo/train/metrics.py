@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -75,7 +76,8 @@ class Progress:
     """The run's progress: on a terminal a tqdm bar (elapsed, ETA, the step's numbers and the last validation
     perplexity kept on it; every evaluation also printed as a line of its own, so none is overwritten); off a
     terminal (logs, CI, pipes) plain lines with elapsed time and ETA, every ``every`` steps, at evaluations, and
-    at least every ``at_least_s`` seconds."""
+    at least every ``at_least_s`` seconds, also inside a step that takes longer (a line saying which step is
+    running, from a thread)."""
 
     AT_LEAST_S = 30.0  # the longest a run stays silent off a terminal
 
@@ -86,32 +88,52 @@ class Progress:
         self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
         self.t0 = self.last = time.monotonic()
         self.val_ppl: float | None = None
+        self.step = start
         self.bar = None
+        self._lock, self._closed = threading.Lock(), threading.Event()
         if self.tty:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True, leave=True,
                             bar_format="step {n_fmt}/{total_fmt} {bar:20} [{elapsed}<{remaining}]{postfix}")
+        elif enabled:
+            threading.Thread(target=self._heartbeat, name="lordo-progress", daemon=True).start()
 
     def update(self, step: int, text: str, val_ppl: float | None = None, force: bool = False) -> None:
         if val_ppl is not None:
             self.val_ppl = val_ppl
         kept = f"  val_ppl {self.val_ppl:.1f}" if self.val_ppl is not None else ""
-        now = time.monotonic()
+        self.step = step
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix_str(text + kept, refresh=True)
             if val_ppl is not None:
                 self.bar.write(f"step {step}/{self.total}  val_ppl {val_ppl:.2f}", file=self.stream)
             return
+        now = time.monotonic()
         if force or step % self.every == 0 or step == self.total or now - self.last >= self.at_least_s:
-            elapsed = now - self.t0
-            done = step - self.start
+            self._line(f"{text}{kept}", step)
+
+    def _line(self, text: str, step: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            elapsed, done = now - self.t0, step - self.start
             eta = elapsed / done * (self.total - step) if done > 0 else 0.0
-            print(f"step {step:>{len(str(self.total))}}/{self.total}  {text}{kept}  [{_clock(elapsed)} elapsed, "
+            print(f"step {step:>{len(str(self.total))}}/{self.total}  {text}  [{_clock(elapsed)} elapsed, "
                   f"ETA {_clock(eta)}]", file=self.stream, flush=True)
             self.last = now
 
+    def _heartbeat(self) -> None:
+        """A line when a step keeps the run silent for ``at_least_s`` (a slow step, a synchronisation over a slow
+        link): the cadence holds inside steps, not only at their ends."""
+        while not self._closed.wait(min(1.0, self.at_least_s / 4)):
+            if time.monotonic() - self.last >= self.at_least_s and self.step < self.total:
+                try:
+                    self._line(f"(step {self.step + 1} running)", self.step)
+                except (OSError, ValueError):  # the stream went away
+                    return
+
     def close(self) -> None:
+        self._closed.set()
         if self.bar is not None:
             self.bar.close()
