@@ -253,3 +253,15 @@ def test_the_closing_line_does_not_call_ddp_s_own_bytes_less():
 
     assert _against_ddp(1.0) == "1.000x of what ddp sends (ddp itself)"
     assert _against_ddp(0.037) == "0.037x of what ddp sends (27.0x less)"
+
+
+def test_load_trained_is_public_and_gives_the_run_s_model_and_tokenizer(tmp_path, data_dir, dataset):
+    import lordo
+
+    model = fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    trained = lordo.load_trained(tmp_path / "run")
+    ids = torch.randint(0, dataset.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(trained.model(ids)[0], model(ids)[0])
+    assert trained.source == "model.pt" and trained.tokenizer_file == tmp_path / "run" / "tokenizer.json"
+    assert "load_trained" in lordo.__all__

@@ -72,7 +72,7 @@ def api_reference() -> str:
         "```",
     ]
     order = ["distributed", "DistributedOptimizer", "worker_mesh", "LowRankQHAdam", "param_groups", "Config",
-             "build_config", "STRATEGY_NAMES", "LordoError", "ConfigError", "DataError", "NonFiniteError", "CommError"]
+             "build_config", "load_trained", "STRATEGY_NAMES", "LordoError", "ConfigError", "DataError", "NonFiniteError", "CommError"]
     missing = set(lordo.__all__) - set(order) - {"__version__"}
     if missing:
         raise SystemExit(f"tools/gen_docs.py: add {sorted(missing)} to the order of the API reference")

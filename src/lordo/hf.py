@@ -94,13 +94,19 @@ class LoRDOTrainer(transformers.Trainer):
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         return _Unwrapped(self._model()) if training else self._model()
 
-    def _lordo(self):
+    @property
+    def lordo_optimizer(self):
+        """lordo's :class:`~lordo.DistributedOptimizer` behind ``trainer.optimizer`` (which Accelerate wraps), for
+        its reports: ``trainer.lordo_optimizer.comm_report()``, ``.memory_report()``."""
         from .distributed_optimizer import DistributedOptimizer
 
         opt = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate wraps it
         if not isinstance(opt, DistributedOptimizer):
             raise ConfigError(f"LoRDOTrainer trains with lordo's optimizer; optimizers= gave {type(opt).__name__}")
         return opt
+
+    def _lordo(self):
+        return self.lordo_optimizer
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self._lordo()

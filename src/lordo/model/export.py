@@ -104,15 +104,26 @@ def _gather_shards(shards: list[dict[str, torch.Tensor]], shapes: dict[str, torc
 
 
 def load_trained(run: str | Path, checkpoint: str | None = None, data_dir: str | Path | None = None) -> TrainedModel:
-    """The model of run folder ``run``: its final ``model.pt``, or checkpoint ``checkpoint`` (a step or a folder
-    name; worker 0's model, which between synchronisations is its own, not the average). Its tokenizer: the copy
-    in the run folder, else the prepared corpus's (``data_dir``: where that corpus is, default the run's)."""
+    """The model of run folder ``run`` (what ``lordo train --out RUN`` wrote): its final ``model.pt``, or checkpoint
+    ``checkpoint`` (a step or a folder name; worker 0's model, which between synchronisations is its own, not the
+    average). Returns a ``TrainedModel``: ``.model`` lordo's GPT in evaluation mode (float32, CPU; ``.model(ids)``
+    gives ``(logits, loss)`` for a ``(batch, tokens)`` LongTensor), ``.tokenizer_file`` the run's tokenizer
+    (``tokenizers.Tokenizer.from_file``; the copy in the run folder, else the prepared corpus's, ``data_dir``: where
+    that corpus is, default the run's; None if neither is found) and ``.source`` what was read. ::
+
+        trained = lordo.load_trained("runs/demo")
+        tokenizer = tokenizers.Tokenizer.from_file(str(trained.tokenizer_file))
+        logits, _ = trained.model(torch.tensor([tokenizer.encode("KING HENRY:").ids]))
+
+    A bad folder, a missing model or a shape its config.json does not describe raises ``ExportError`` (a
+    :class:`LordoError`) naming the file."""
     run = Path(run)
     config = _run_config(run)
     if checkpoint is None:
         path = run / "model.pt"
         if not path.is_file():
-            have = sorted(p.name for p in (run / "checkpoints").glob("step-*")) if (run / "checkpoints").is_dir() else []
+            have = sorted(p.name for p in (run / "checkpoints").glob("step-*") if not p.name.endswith(".partial")) \
+                if (run / "checkpoints").is_dir() else []
             hint = f"; export a checkpoint instead: --checkpoint {have[-1]}" if have else ""
             raise ExportError(f"{run} has no finished model (model.pt is written when training ends){hint}")
         try:
