@@ -219,6 +219,22 @@ def test_a_failed_synchronisation_rolls_every_replica_back_to_the_anchor(name):
             assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@pytest.mark.parametrize("name", ["local-adam", "lordo"])
+def test_a_failed_synchronisation_says_when_the_optimizer_state_must_be_reloaded(name):
+    """A non-finite gradient reaches the moments (and the error feedback); the model is rolled back, the state is not,
+    so every later synchronisation would fail again: the error names the workers whose state must be reloaded."""
+    models, strategy, _ = make(name)
+    train_steps(models, strategy, 0, 4)
+    for rank, model in enumerate(models):
+        model(*batch(rank, 4))[1].backward()
+    next(iter(strategy.workers[1].params)).grad.view(-1)[0] = float("nan")
+    strategy.step(1e-2)  # step 5
+    for rank, model in enumerate(models):
+        model(*batch(rank, 5))[1].backward()
+    with pytest.raises(NonFiniteError, match=r"optimizer state of worker\(s\) (0, )?1 is not finite .* load a state_dict"):
+        strategy.step(1e-2)  # step 6: the synchronisation
+
+
 def test_strategies_take_injected_optimizers_without_a_config():
     """The library without the CLI's schema: torch's AdamW inside, DiLoCo's Nesterov SGD outside, against the
     outer step written out by hand (buffer b ← μ·b + Δ, anchor ← anchor − η·(Δ + μ·b))."""

@@ -272,6 +272,7 @@ class LocalUpdateStrategy(MomentAveraging, Strategy):
             raise NonFiniteError(
                 f"the averaged pseudo-gradient is not finite at synchronisation {self.syncs + 1} (after optimizer "
                 f"step {self.steps_done}); every worker was reset to the model of the previous synchronisation"
+                f"{self._state_verdict()}"
             )
         stats = {"synced": 1.0, "pseudo_grad_norm": self.total_norm(delta)}
         for observe in self.round_observers:
@@ -283,6 +284,17 @@ class LocalUpdateStrategy(MomentAveraging, Strategy):
         self.average_buffers()
         self.syncs += 1
         return stats
+
+    def _state_verdict(self) -> str:
+        """What a caller must know after a failed synchronisation: the model was rolled back, the optimizer state
+        (moments, error feedback) was not, and where it is not finite every later synchronisation fails again."""
+        bad = [self.comm.local_ranks[i] for i, w in enumerate(self.workers)
+               if any(t.is_floating_point() and not bool(torch.isfinite(t).all())
+                      for state in w.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
+        if not bad:
+            return "; the optimizer state is finite"
+        return (f"; the optimizer state of worker(s) {', '.join(map(str, bad))} is not finite (moments or error "
+                "feedback) and was not reset: load a state_dict saved before the failure (or a checkpoint) to go on")
 
     def state_dict(self) -> dict[str, Any]:
         if self.in_flight is not None:  # a round in flight is saved once it has arrived (its landing stays due)
