@@ -163,7 +163,8 @@ def _ns64(x, steps=5, coefficients=(3.4445, -4.775, 2.0315)):
 class _MuonSpec:
     """The update of LowRankMuon's module doc in float64, term by term (right side: P q×r, proj = A·P)."""
 
-    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank, qh_scale="own", whole=False):
+    def __init__(self, w, basis, *, lr, mu, omega, wd, after_qh, rank, qh_scale="own", whole=False, split=False):
+        self.split = split
         self.whole = whole
         self.W, self.P = w.detach().double().clone(), basis.double()
         self.right = w.shape[0] >= w.shape[1]
@@ -191,8 +192,11 @@ class _MuonSpec:
         self.M = (1 - self.mu) * g if self.M is None else self.mu * self.M + (1 - self.mu) * g
         N = (1 - self.mu) * g + self.mu * self.M
         p, q = self.W.shape
-        if self.whole:  # Newton-Schulz on the p×q mix of the two terms at unit norm, at Muon's own rate
-            X = self.omega * self.back(N) / N.norm() + (1 - self.omega) * A / A.norm()
+        if self.whole or self.split:  # Newton-Schulz on a p×q step, at Muon's own rate
+            # whole: the two terms at unit norm; split: the momentum inside the basis and E read as the momentum
+            # outside it, (1 − ω)·(c + ω·E), c = G − back(g)
+            X = (self.back(N) + (1 - self.omega) * (G - self.back(g) + self.omega * self.E) if self.split else
+                 self.omega * self.back(N) / N.norm() + (1 - self.omega) * A / A.norm())
             self.W = self.W * (1 - self.lr * self.wd) - self.lr * 0.2 * max(p, q) ** 0.5 * _ns64(X)
             if self.after_qh == "remove":
                 self.E = self.omega * self.E
@@ -235,19 +239,22 @@ def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):
     assert set(opt.state[w]) >= {"exp_avg", "basis", "error_feedback"} and "exp_avg_sq" not in opt.state[w]
 
 
-@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+@pytest.mark.parametrize("form, after_qh", [("whole", "keep"), ("whole", "remove"), ("split", "remove")])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
-def test_the_whole_step_form_equals_its_formula_in_float64(shape, after_qh):
-    """orthogonalise = "whole": six steps at ω = 0.9 with error feedback and weight decay, a basis change before
-    step 4, both sides, against the formula of the module doc computed in float64."""
+def test_the_whole_step_forms_equal_their_formulas_in_float64(shape, form, after_qh):
+    """orthogonalise = "whole" and "split": six steps at ω = 0.9 (μ = 0.8 for split: the two halves of its momentum
+    differ) with error feedback and weight decay, a basis change before step 4, both sides, against the formula of
+    the module doc computed in float64."""
     torch.manual_seed(15)
     r = 3
     w = nn.Parameter(torch.randn(shape))
     q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
-    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
-                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, orthogonalise="whole")
+    mu = 0.8 if form == "split" else 0.9
+    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=mu, omega=0.9, weight_decay=0.1,
+                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, orthogonalise=form)
     opt.set_basis(w, q)
-    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, whole=True)
+    spec = _MuonSpec(w, q, lr=0.02, mu=mu, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, whole=form == "whole",
+                     split=form == "split")
     for t in range(1, 7):
         if t == 4:
             q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
@@ -499,3 +506,34 @@ def test_a_note_suggests_float32_newton_schulz_on_a_cpu_without_bfloat16_matrix_
     if noted:
         assert 'optim.muon_ns_dtype="float32"' in note
     assert muon_precision_note(build_config(), torch.device("cpu"), cpuinfo) is None  # Adam: nothing to say
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("rank", [3, 16])
+def test_the_split_form_is_torchs_muon_at_any_rank_while_the_basis_stays_and_omega_is_mu(shape, rank):
+    """orthogonalise = "split": the momentum inside the basis is M (μ), the one outside it (1 − ω)/ω·E (ω). With
+    ω = μ the two halves are one Muon momentum, so with the basis fixed the step is torch's Muon at any rank, the
+    weight decay included: nothing is lost by keeping the momentum low-rank plus E."""
+    from lordo.optim.hybrid import PrecisionMuon
+
+    torch.manual_seed(17)
+    ours = nn.Parameter(torch.randn(shape))
+    ref = nn.Parameter(ours.detach().clone())
+    opt = LowRankMuon([{"params": [ours], "rank": rank}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
+                      ns_dtype=torch.float32, orthogonalise="split")
+    opt.set_basis(ours, torch.linalg.qr(torch.randn(min(shape), min(rank, min(shape))))[0])
+    muon = PrecisionMuon([ref], lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32,
+                         adjust_lr_fn="match_rms_adamw")
+    for _ in range(6):
+        g = torch.randn(shape)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        muon.step()
+        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-6)
+
+
+def test_the_split_form_refuses_error_feedback_settings_it_cannot_read_as_a_momentum():
+    w = nn.Parameter(torch.randn(8, 6))
+    for options in ({"error_feedback": False}, {"qh_source": "grad"}, {"error_feedback_after_qh": "keep"}):
+        with pytest.raises(ValueError, match="orthogonalise='split' keeps the momentum's part outside the basis"):
+            LowRankMuon([{"params": [w], "rank": 2}], orthogonalise="split", **options)

@@ -167,8 +167,10 @@ class OptimConfig(_Section):
     muon_orthogonalise: str = _f("lowrank", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what Newton-Schulz "
                                  "runs on: lowrank (the r-dimensional momentum; the full-rank term added beside it, "
                                  "scaled) or whole (the p x q step omega back(N)/|N| + (1 - omega) Q/|Q|, at Muon's own "
-                                 "rate: every direction moves; the state stays low-rank; full-rank Muon's cost per step)",
-                                 _choice("lowrank", "whole"))
+                                 "rate: every direction moves; the state stays low-rank; full-rank Muon's cost per step) or "
+                                 "split (full-rank Muon on the momentum split in two: inside the basis the low-rank momentum, outside it "
+                                 "the error feedback E read as an omega-average; needs the default error feedback)",
+                                 _choice("lowrank", "whole", "split"))
 
 
 @dataclass(kw_only=True)

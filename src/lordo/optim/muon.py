@@ -22,6 +22,17 @@ Newton–Schulz lifts every singular value of X towards 1, so the directions out
 inside it, however small ω leaves their share; the state stays r-dimensional (M) plus E; the cost per step is
 full-rank Muon's iteration on p×q. At ω = 1 it is NS(back(N)): at r = min(p, q) and P = I, torch's Muon again.
 
+``orthogonalise = "split"`` reads E as what it is under ``error_feedback_after_qh = "remove"``: while the basis
+stays, E_t = ω·(E_{t−1} + c_t) with c = G − back(g) the part of G the projection drops, so R = (1 − ω)/ω·E is an
+ω-average of c, the momentum of the directions outside the basis. The step is full-rank Muon's on the Nesterov
+momentum split in two, back(N) inside the basis (μ, shared by the workers at a synchronisation) and
+(1 − ω)·c + ω·R = (1 − ω)·(c + E_t) outside it (ω, each worker's own)::
+
+    X = back(N) + (1 − ω)·(c + E_t) ;  W ← W·(1 − ηλ) − η·adjust(p, q)·NS(X)
+
+With ω = μ and the basis fixed it is torch's Muon at any rank r (one momentum, split); a basis change carries E
+into the new basis as error feedback (its part inside the new basis enters the momentum through g).
+
 ``adjust`` is torch's: ``match_rms_adamw`` 0.2·sqrt(max(p, q)), ``original`` sqrt(max(1, p/q)); the factor
 sqrt(min(p, q)/r) gives the rank-r update the RMS of a full-rank orthogonal one (an orthogonal p×q matrix of
 rank r has RMS sqrt(r/(p·q))). At r = min(p, q), ω = 1 and P = I this is torch's ``torch.optim.Muon`` step. At
@@ -47,7 +58,7 @@ from .subspace import Side
 
 ADJUST_LR = ("match_rms_adamw", "original")
 QH_SCALES = ("momentum", "own")
-ORTHOGONALISE = ("lowrank", "whole")
+ORTHOGONALISE = ("lowrank", "whole", "split")
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch's (Keller Jordan's quintic)
 
 
@@ -149,6 +160,13 @@ class LowRankMuon(LowRankQHAdam):
                 del self.param_groups[count:]
                 raise ValueError(f"lowrank_moments_dtype={group['lowrank_moments_dtype']!r} holds Adam's low-rank "
                                  "moments compact; LowRankMuon keeps its momentum in float32: leave it out")
+            if group["rank"] is not None and self.muon.orthogonalise == "split" and not (
+                    group["error_feedback"] and group["qh_source"] == "grad+error"
+                    and group["error_feedback_after_qh"] == "remove"):
+                del self.param_groups[count:]
+                raise ValueError("orthogonalise='split' keeps the momentum's part outside the basis in the error feedback "
+                                 "E (an omega-average of what the projection drops): it needs error_feedback=True, "
+                                 "qh_source='grad+error' and error_feedback_after_qh='remove' (the defaults)")
             if group["rank"] is not None:
                 group["betas"] = (self.muon.momentum, group["betas"][1])
 
@@ -168,7 +186,7 @@ class LowRankMuon(LowRankQHAdam):
             buffer, basis = state["exp_avg"], state["basis"].to(weight.dtype)
             buffer.lerp_(g, 1 - mu)
             n = g.lerp(buffer, mu) if m.nesterov else buffer
-            if m.orthogonalise == "whole":
+            if m.orthogonalise != "lowrank":
                 self._whole_step(group, weight, n, g, grad, state, basis, side)
                 continue
             o = newton_schulz(n, m.coefficients, m.steps, m.eps, m.dtype).to(weight.dtype)
@@ -185,16 +203,22 @@ class LowRankMuon(LowRankQHAdam):
 
     def _whole_step(self, group: dict, weight: torch.Tensor, n: torch.Tensor, g: torch.Tensor, grad: torch.Tensor,
                     state: dict, basis: torch.Tensor, side: Side) -> None:
-        """``orthogonalise = "whole"``: Newton–Schulz on the p×q step X = ω·back(N)/‖N‖ + (1 − ω)·Q/‖Q‖, at Muon's
-        own rate: every direction of the matrix moves, those outside the basis through Q (G or G + E), while the
-        momentum stays r-dimensional. The two terms enter at unit norm (so ``qh_scale`` does not apply: Newton–
-        Schulz normalises the sum)."""
+        """Newton–Schulz on a p×q step, at Muon's own rate (module doc). ``"whole"``: X = ω·back(N)/‖N‖ +
+        (1 − ω)·Q/‖Q‖, the two terms at unit norm (``qh_scale`` does not apply: the iteration normalises the sum).
+        ``"split"``: the full-rank Nesterov momentum whose part outside the basis is E, an ω-average:
+        X = back(N) + (1 − ω)·(c + E_after), c = G − back(g), E_after = ω·(A − back(g)), A = G + E_before."""
         m, lr, omega = self.muon, float(group["lr"]), group["omega"]
-        x = n @ basis.T if side == Side.RIGHT else basis @ n
-        if omega < 1:  # ‖back(N)‖ = ‖N‖: the basis is orthonormal
-            q = self._qh_input(group, state, g, grad, basis, side)
-            x = x * (omega / n.float().norm().clamp(min=1e-30)).to(x.dtype)
-            x.add_(q * ((1 - omega) / q.float().norm().clamp(min=1e-30)).to(q.dtype))
+        if m.orthogonalise == "split":
+            a = self._qh_input(group, state, g, grad, basis, side)
+            rest = grad * (1 - omega) + a * ((1 - omega) * omega)  # (1 − ω)·(G + ω·A), less the basis part below
+            low = n - g * ((1 - omega) * (1 + omega))
+            x = torch.addmm(rest, low, basis.T) if side == Side.RIGHT else torch.addmm(rest, basis, low)
+        else:
+            x = n @ basis.T if side == Side.RIGHT else basis @ n
+            if omega < 1:  # ‖back(N)‖ = ‖N‖: the basis is orthonormal
+                q = self._qh_input(group, state, g, grad, basis, side)
+                x = x * (omega / n.float().norm().clamp(min=1e-30)).to(x.dtype)
+                x.add_(q * ((1 - omega) / q.float().norm().clamp(min=1e-30)).to(q.dtype))
         o = newton_schulz(x, m.coefficients, m.steps, m.eps, m.dtype).to(weight.dtype)
         s = muon_scale((weight.shape[0], weight.shape[1]), m.adjust)
         weight.mul_(1 - lr * group["weight_decay"]).add_(o, alpha=-lr * s * group["scale"])
