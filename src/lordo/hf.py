@@ -135,7 +135,7 @@ class LoRDOTrainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:  # the Trainer's own pick is the newest folder, complete or not
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, self.args.world_size)
+            resume_from_checkpoint = last_complete_checkpoint(str(self.args.output_dir), self.args.world_size)
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         self._lordo().finish()  # every worker now holds the same model
         return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -70,7 +71,16 @@ def make_parser() -> argparse.ArgumentParser:
     from .link import add_parser as add_link
 
     k = add_link(sub)
-    for q in (s, b, w, m, r, k, tp):
+    rc = sub.add_parser("race", help="minutes to target perplexities over a link: a link measurement's step times x each "
+                        "configuration's steps to the target in its sweep runs")
+    rc.add_argument("file", metavar="RACE.toml", help="the race file (benchmarks/race-micro.toml is one)")
+    rc.add_argument("--rates", help="Mbit/s, comma-separated (default: the race file's); a rate the link file does not hold "
+                    "is modelled")
+    rc.add_argument("--compute-s-per-step", type=float, metavar="S",
+                    help="your own compute time of a step (seconds, e.g. on a GPU): every cell modelled from it and the "
+                         "bytes each configuration sends")
+    rc.add_argument("--plot", metavar="FILE.png", help="also draw perplexity against minutes, a panel per rate")
+    for q in (s, b, w, m, r, k, tp, rc):
         q.add_argument("--json", metavar="FILE", help="also write the numbers to FILE (JSON); without it they are printed only")
         q.add_argument("--data-dir", default="data", help="data folder (default ./data)")
     return ap
@@ -87,6 +97,25 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device")
+    if args.what == "race":
+        from .race import plot_race, print_race, race
+
+        rates = None
+        if args.rates:
+            try:
+                rates = [float(x) for x in args.rates.split(",") if x.strip()]
+            except ValueError:
+                rates = []
+            if not rates or min(rates) <= 0 or not all(math.isfinite(r) for r in rates):
+                raise ConfigError(f"--rates lists rates in Mbit/s > 0, comma-separated; got {args.rates!r}")
+        if args.compute_s_per_step is not None and not (math.isfinite(args.compute_s_per_step) and args.compute_s_per_step > 0):
+            raise ConfigError(f"--compute-s-per-step must be a number of seconds > 0, got {args.compute_s_per_step}")
+        res = race(Path(args.file), rates, args.compute_s_per_step)
+        print_race(res)
+        if args.plot:
+            res["plot"] = str(plot_race(res, Path(args.plot)))
+        _write(out, res)
+        return 0
     if args.what == "link":
         from .link import main as link_main
 

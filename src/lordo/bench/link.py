@@ -51,15 +51,16 @@ def parse_rates(text: str) -> list[float | None]:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``NAME[,KEY=VALUE...]``: a strategy name and strategy.* settings, e.g. ``lordo,sync_delay=8``."""
+    """``NAME[,KEY=VALUE...]``: a strategy name and its settings, ``strategy.*`` unless the key names its section,
+    e.g. ``lordo,sync_delay=8`` or ``local-adam,optim.inner=muon`` (MuLoCo)."""
     name, *settings = [x.strip() for x in text.split(",") if x.strip()]
     overrides = []
     for kv in settings:
         key, sep, value = kv.partition("=")
         if not sep:
-            raise ConfigError(f"--variants: {text!r}: settings are KEY=VALUE (strategy.KEY), got {kv!r}")
+            raise ConfigError(f"--variants: {text!r}: settings are KEY=VALUE (strategy.KEY, or SECTION.KEY), got {kv!r}")
         quoted = value if value.replace(".", "", 1).lstrip("-").isdigit() or value in ("true", "false") else json.dumps(value)
-        overrides.append(f"strategy.{key}={quoted}")
+        overrides.append(f"{key if '.' in key else 'strategy.' + key}={quoted}")
     return name, overrides
 
 
@@ -245,7 +246,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        description=__doc__.splitlines()[0])
     k.add_argument("--rates", default="none,1000,100,10", help="Mbit/s, comma-separated; none = unthrottled (default %(default)s)")
     k.add_argument("--variants", nargs="+", metavar="NAME[,KEY=VALUE]",
-                   help=f"strategies with strategy.* settings (default: {' '.join(DEFAULT_VARIANTS)})")
+                   help=f"strategies with strategy.* settings, or SECTION.KEY=VALUE for others (local-adam,optim.inner=muon: "
+                        f"MuLoCo) (default: {' '.join(DEFAULT_VARIANTS)})")
     k.add_argument("--model", default="micro", help="model preset (default micro)")
     k.add_argument("--workers", type=int, default=4, help="gloo worker processes (default 4)")
     k.add_argument("--steps", type=int, default=104, help="steps of the local-update runs (default 104: 3 rounds + 8)")
