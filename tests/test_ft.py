@@ -345,6 +345,8 @@ def test_torchft_s_diloco_loop_with_lordo_inside_recovers_a_killed_worker(lighth
     assert codes == [0, 0, 0], "\n".join(text[-2000:] for text in logs)
     losses = {float(re.search(r"val loss ([0-9.]+)", text).group(1)) for text in logs}
     assert len(losses) == 1 and math.isfinite(losses.pop())  # one model on every worker, the restarted one's too
+    # the example builds its scheduler before the block, as torchft's loop does: no warning that step() was overridden
+    assert not any("has been overridden after learning rate scheduler" in text for text in logs)
     seen = [int(x) for x in re.search(r"workers per round \[([0-9, ]+)\]", logs[0]).group(1).split(", ")]
     # the start round: the Manager's init_sync (torchft's default) gives the others worker 0's start state, so worker
     # 0 alone contributes to it; then three workers, two while one is down, three again
@@ -482,3 +484,24 @@ def test_a_run_that_lost_its_lighthouse_resumes_from_its_checkpoints_and_ends_as
     for r in range(3):
         model = torch.load(tmp_path / "run" / f"w{r}" / "model.pt")
         assert all(torch.equal(model[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"outer_optimizer": "two"}, r"outer_optimizer: one per fragment, and LoRDO has one fragment .* a list of 2"),
+    ({"fragment_update_alpha": 0.5}, r"fragment_sync_delay, fragment_update_alpha and should_quantize are streaming"),
+    ({"should_quantize": True}, r"fragment_sync_delay, fragment_update_alpha and should_quantize are streaming"),
+])
+def test_torchft_s_diloco_arguments_lordo_cannot_honour_are_named(kwargs, message):
+    """Every keyword of torchft's DiLoCo is accepted; those lordo cannot honour are refused by name before a Manager
+    is used (none is needed to be told)."""
+    from lordo.torchft import LoRDO
+
+    model = nn.Linear(8, 8)
+    inner = torch.optim.AdamW(model.parameters())
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    if kwargs.get("outer_optimizer") == "two":
+        kwargs = {**kwargs, "outer_optimizer": [outer, outer]}
+    arguments = {"outer_optimizer": outer, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        LoRDO(object(), [model], inner, sync_every=8, backup_device=None, pin_memory=True, use_bucketization=False,
+              bucket_cap_mb=None, **arguments)

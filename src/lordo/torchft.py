@@ -45,7 +45,7 @@ def _inner_settings(inner: torch.optim.Optimizer) -> dict[str, Any]:
     return {"lr": float(group["lr"]), "beta1": b1, "beta2": b2, "eps": group["eps"], "weight_decay": group["weight_decay"]}
 
 
-def _outer_settings(outer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _outer_settings(outer: Any) -> dict[str, Any]:
     if outer is None:
         return {}
     if not isinstance(outer, torch.optim.SGD):
@@ -67,16 +67,20 @@ def _replica(manager: Any) -> int:
 
 
 class LoRDO:
-    """``LoRDO(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every, workers=None, **options)``:
-    torchft's DiLoCo arguments (see the module doc); ``workers``: how many workers the run is planned for (default
-    ``$NUM_REPLICA_GROUPS``: it shards the data and scales the accounting); ``options``: lordo's (``rank``,
-    ``omega``, ``memory="lean"``, ... as for :func:`lordo.distributed`). ``backup_device`` None or the CPU keeps the
-    anchor in host memory, as DiLoCo keeps its backup."""
+    """``LoRDO(manager, model_fragments, inner_optimizer, outer_optimizer, sync_every, ...)``: every argument of
+    torchft 0.2's ``DiLoCo``, in its order and with its defaults (docs/integrations.md lists what each does here),
+    then ``workers``: how many workers the run is planned for (default ``$NUM_REPLICA_GROUPS``: it shards the data
+    and scales the accounting) and lordo's ``options`` (``rank``, ``omega``, ``memory="lean"``, ... as for
+    :func:`lordo.distributed`). ``outer_optimizer``: an SGD or a one-element list of one (one fragment);
+    ``backup_device`` None or the CPU keeps the anchor in host memory, as DiLoCo keeps its backup; ``pin_memory``,
+    ``use_bucketization`` and ``bucket_cap_mb`` are accepted (lordo's rounds are always one bucket per dtype); the
+    streaming options must stay off."""
 
     def __init__(self, manager: Any, model_fragments: Sequence[nn.Module], inner_optimizer: torch.optim.Optimizer,
-                 outer_optimizer: torch.optim.Optimizer | None, sync_every: int, *, workers: int | None = None,
-                 backup_device: torch.device | str | None = None, fragment_sync_delay: int = 0,
-                 should_quantize: bool = False, **options: Any) -> None:
+                 outer_optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, sync_every: int,
+                 backup_device: torch.device | str | None = None, pin_memory: bool = True, use_bucketization: bool = False,
+                 bucket_cap_mb: int | None = None, should_quantize: bool = False, fragment_sync_delay: int = 0,
+                 fragment_update_alpha: float = 0.0, *, workers: int | None = None, **options: Any) -> None:
         from .api import distributed
         from .comm.ft import TorchFTCommunicator
 
@@ -84,9 +88,15 @@ class LoRDO:
         if len(fragments) != 1:
             raise ConfigError(f"LoRDO synchronises the whole model in each round (no streaming fragments): pass "
                               f"[model], got {len(fragments)} fragments")
-        if fragment_sync_delay or should_quantize:
-            raise ConfigError("fragment_sync_delay and should_quantize are streaming DiLoCo's; leave them at 0 / False "
-                              "(lordo's sync_delay and int8 rounds do not run over torchft)")
+        if isinstance(outer_optimizer, (list, tuple)):  # torchft's one outer optimizer per fragment
+            if len(outer_optimizer) != 1:
+                raise ConfigError(f"outer_optimizer: one per fragment, and LoRDO has one fragment (the whole model); got "
+                                  f"a list of {len(outer_optimizer)}")
+            outer_optimizer = outer_optimizer[0]
+        if fragment_sync_delay or should_quantize or fragment_update_alpha:
+            raise ConfigError("fragment_sync_delay, fragment_update_alpha and should_quantize are streaming DiLoCo's; "
+                              "leave them at 0 / 0.0 / False (lordo's sync_delay and int8 rounds do not run over torchft)")
+        del pin_memory, use_bucketization, bucket_cap_mb  # lordo's rounds are always bucketed (a buffer per dtype)
         if workers is None:
             raw = os.environ.get(ENV_REPLICAS)
             if raw is None or not raw.strip().isdigit():
@@ -107,12 +117,18 @@ class LoRDO:
         ``inner_optimizer.step()`` LoRDO's step until the block ends."""
         self.start_step = self.optimizer.join()
         self._own = {name: vars(self.inner).get(name) for name in ("step", "zero_grad")}
-        self.inner.step = self._step  # type: ignore[method-assign]
+        inner = self.inner
+
+        def step(closure=None) -> Any:
+            inner._opt_called = True  # type: ignore[attr-defined]  # what a scheduler's own wrapper records
+            return self.optimizer.step(closure, lr=float(inner.param_groups[0]["lr"]))
+
+        # a scheduler built before the block (the documented order) checks for its wrapper on every step: this
+        # replacement counts as one, so it does not warn that step() was "overridden after" it
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        self.inner.step = step  # type: ignore[method-assign]
         self.inner.zero_grad = self._zero_grad  # type: ignore[method-assign]
         return self
-
-    def _step(self, closure=None) -> Any:
-        return self.optimizer.step(closure, lr=float(self.inner.param_groups[0]["lr"]))
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
