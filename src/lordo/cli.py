@@ -130,7 +130,8 @@ def _print_summary(s: dict, out: Path) -> None:
         lines.append(
             f"communication: {s['comm_wire_bytes_total'] / 2**20:,.1f} MiB sent per worker in {s['comm_calls']} "
             f"collectives, {_against_ddp(s['comm_ratio_to_ddp'])}; "
-            f"modelled wall-clock {walls}"
+            f"modelled wall-clock {walls} (this run's measured compute time, under whatever load the machine had, plus "
+            "its collectives at that rate: compare runs made on the same idle machine, or use lordo bench race)"
         )
     written = [name for name in ("config.json", "metrics.jsonl", "summary.json", "model.pt", "tokenizer.json", "checkpoints/")
                if (out / name.rstrip("/")).exists()]
