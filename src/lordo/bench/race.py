@@ -178,7 +178,8 @@ def print_race(res: dict[str, Any]) -> None:
 
 
 def plot_race(res: dict[str, Any], out: Path) -> Path:
-    """Validation perplexity against minutes, one panel per rate, one line per configuration (its first seed)."""
+    """Validation perplexity against minutes, one panel per rate, one line per configuration (its first seed; dashed
+    where the step time is modelled)."""
     try:
         import matplotlib
 
@@ -192,7 +193,8 @@ def plot_race(res: dict[str, Any], out: Path) -> Path:
         for row in (r for r in res["rows"] if r["rate_mbit"] == rate):
             first = next(iter(row["seeds"].values()))
             xs, ys = zip(*first["curve"][1:]) if len(first["curve"]) > 1 else ((), ())
-            ax.plot(xs, ys, label=f"{row['label']} ({row['step_time']})")
+            ax.plot(xs, ys, label=f"{row['label']} ({row['step_time']})",
+                    linestyle="-" if row["step_time"] == "measured" else "--")
         ax.set_yscale("log")
         ax.set_xlabel("minutes of training over the link", fontsize=11)
         ax.set_ylabel("validation perplexity", fontsize=11)
