@@ -705,7 +705,8 @@ def test_param_groups_picks_matrices_by_rule_or_target_modules():
     import lordo
 
     model = _tiny_lm()
-    default = lordo.param_groups(model, rank=4)  # GaLore's refresh schedule unless given
+    with pytest.warns(UserWarning, match=r"param_groups: 4\.weight left full-rank: as wide as an embedding's vocabulary"):
+        default = lordo.param_groups(model, rank=4)  # GaLore's refresh schedule unless given
     low = {id(p) for p in default[0]["params"]}
     # the rule of lordo.distributed: Linear weights but not the output head over the vocabulary (40), no embedding
     assert low == {id(model[1].weight), id(model[3].weight)} and default[0]["update_proj_gap"] == 200

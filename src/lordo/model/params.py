@@ -7,6 +7,7 @@ unnoticed. The same rules decide, in later stages, which matrices are trained lo
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,6 +147,12 @@ def param_groups(model: nn.Module, rank: int, target_modules: Sequence[str] | st
     (``scale``, ``omega``, ...) apply to the low-rank group."""
     if target_modules is None:
         chosen = {id(p) for g in group_by_module(model) if g.rule.group == "block_matrix" for p in g.params}
+        heads = [f"{name}.weight" for name, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and m.weight.requires_grad and id(m.weight) not in chosen]
+        if heads:  # a Linear as wide as the vocabulary is taken for the output head: say so, it may be a block's
+            warnings.warn(f"param_groups: {', '.join(heads)} left full-rank: as wide as an embedding's vocabulary, "
+                          "taken for an output head; name the matrices with target_modules= to choose yourself",
+                          UserWarning, stacklevel=2)
     else:
         if isinstance(target_modules, str):
             try:
