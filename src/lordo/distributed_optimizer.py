@@ -4,6 +4,7 @@ name and options (``lordo.api``); ``lordo train`` builds it from a :class:`~lord
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -226,8 +227,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(f"not a lordo optimizer state: keys {sorted(missing)} are missing")
         self._check_state(state)  # before anything is loaded: a refused state changes nothing
-        self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
-        self._check_load_order()
+        undo = copy.deepcopy(self.strategy.state_dict())  # what a state refused half-way through is rolled back to
+        try:
+            self.strategy.load_state_dict({"shared": state["shared"], "workers": state["workers"]})
+            self._check_load_order()
+        except Exception as exc:
+            self.strategy.load_state_dict(undo)
+            if isinstance(exc, ConfigError):
+                raise
+            cause = f"it lacks {exc} that this optimizer's settings need" if isinstance(exc, KeyError) else \
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise ConfigError(f"this optimizer state does not fit this optimizer; nothing was loaded: {cause} (saved with "
+                              "other settings: compression, its residual, sync_delay or the lean state)") from None
         if "ledger" in state:
             self.comm.ledger.load_state_dict(state["ledger"])
         saved_groups = state.get("param_groups", [])
