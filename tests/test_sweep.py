@@ -1,6 +1,7 @@
 """Sweeps: grid expansion, resume after interruption, failed points recorded."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -408,3 +409,28 @@ def test_a_reader_that_goes_away_ends_the_listing_quietly(tmp_path):
     proc.stdout.close()
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141 and b"Traceback" not in err and b"Error" not in err, err.decode()[-2000:]
+
+
+def test_a_point_killed_by_sigterm_before_it_could_save_is_stopped_not_failed(tmp_path, data_dir):
+    """A point's process killed by SIGTERM while it starts (its handler not yet installed: exit -15, as when a user
+    or the system stops it) left failed.json beside the finished points; it is stopped, to be resumed."""
+    text = NANO_BASE.format(data=data_dir).replace("steps = 3", "steps = 2000")
+    f = write(tmp_path, text + '[grid]\n"train.seed" = [0, 1]\n')
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "lordo.cli", "sweep", str(f), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marker, child, deadline = str(out / "seed-0"), None, time.monotonic() + 60
+    while child is None and time.monotonic() < deadline:
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and "train" in cmdline:
+                child = int(pid)
+                break
+    assert child is not None, "the point's process never started"
+    os.kill(child, signal.SIGTERM)  # at once: before its own handler is installed
+    stdout, stderr = proc.communicate(timeout=120)
+    status = json.loads((out / "sweep.json").read_text())["points"][0]["status"]
+    assert status == "stopped" and not (out / "seed-0" / "failed.json").exists(), stderr

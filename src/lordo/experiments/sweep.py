@@ -54,7 +54,8 @@ from ..errors import ConfigError, Stopped
 from ..files import read_json, read_jsonl, write_json
 from ..launch import die_with_parent
 
-STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a training run that saved a checkpoint and stopped
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_CODES = tuple(128 + s for s in STOP_SIGNALS)  # a training run that saved a checkpoint and stopped
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,12 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
             running.discard(proc)
         if proc.returncode == 0 and read_json(summary) is not None:
             entry["status"] = "done"
-        elif proc.returncode in STOP_CODES:  # stopped by a signal after its checkpoint: resumable, not failed
+        elif proc.returncode in STOP_CODES or -proc.returncode in STOP_SIGNALS:
+            # stopped by a signal, after its checkpoint (128 + signal) or before it could save one (killed by it
+            # during start-up): resumable from its last checkpoint, not failed
             entry["status"] = "stopped"
             with lock:
-                stopped.append(proc.returncode - 128)
+                stopped.append(proc.returncode - 128 if proc.returncode > 0 else -proc.returncode)
         else:
             folder.mkdir(parents=True, exist_ok=True)
             failure = {"returncode": proc.returncode, "stderr": stderr[-4000:], "command": cmd}
