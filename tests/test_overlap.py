@@ -209,3 +209,26 @@ def test_local_bases_move_at_every_landing_when_a_round_lands_as_the_next_starts
     overlaps = [s["basis_overlap"] for s in stats if "basis_overlap" in s]
     assert len(overlaps) == 3  # landings at steps 6, 9, 12 of the rounds sent at 3, 6, 9
     assert max(overlaps) < 0.999  # each moved the bases (a lost capture keeps them: overlap exactly 1)
+
+
+def test_the_delayed_merge_of_a_float64_model_stays_exact():
+    """The anchor of a float64 parameter is kept in float64 and decoded to it (it was decoded to float32, so a
+    delayed landing of a float64 run rounded its anchor): the same three delayed rounds as above with a float64
+    model equal the float64 reference (to the float32 bases' rounding: the bases are computed in float32)."""
+    shape, r, K, steps, tau = (12, 7), 2, 3, 11, 2
+    options = dict(lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9, qh_source="grad+error", wd=0.1, after_qh="remove")
+    torch.manual_seed(5)
+    grads = [[torch.randn(shape, dtype=torch.float64) for _ in range(2)] for _ in range(steps)]
+    expected = reference_run(shape, grads, K=K, tau=tau, r=r, options=options)
+    models = [OneMatrix(shape).double() for _ in range(2)]
+    opts = [LowRankQHAdam([{"params": [m.w], "rank": r}], lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9,
+                          weight_decay=0.1, basis_method="svd") for m in models]
+    strategy = LoRDOStrategy(models, SimCommunicator(2), optimizers=opts, sync_every=K, sync_delay=tau, grad_clip=0)
+    for per_worker in grads:
+        for m, g in zip(models, per_worker):
+            m.w.grad = g.clone()
+        strategy.step()
+    assert strategy.anchor.decoded(0).dtype == torch.float64
+    strategy.finish()
+    for m in models:
+        torch.testing.assert_close(m.w.detach(), expected, rtol=1e-5, atol=1e-6)

@@ -90,8 +90,8 @@ class Anchor:
         return (self._place(codes), self._place(scale))
 
     def decoded(self, i: int, device: torch.device | None = None) -> torch.Tensor:
-        """Tensor ``i`` of the anchor in float32 on ``device`` (the training device); for ``float32`` the stored
-        tensor itself when it is there."""
+        """Tensor ``i`` of the anchor in float32 (float64 for a float64 parameter: its anchor is kept exact) on
+        ``device`` (the training device); for ``float32`` the stored tensor itself when it is there."""
         device = device or self.device
         a = self.tensors[i]
         if a is None:
@@ -100,15 +100,15 @@ class Anchor:
             codes, scale = a
             return compact.decode(codes.to(device, non_blocking=True), scale.to(device, non_blocking=True),
                                   compact.LIN8, self.shapes[i])
-        return a.to(device=device, dtype=torch.float32, non_blocking=True)
+        return a.to(device=device, dtype=torch.promote_types(a.dtype, torch.float32), non_blocking=True)
 
     def __len__(self) -> int:
         return len(self.tensors)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        """Tensor ``i`` of the anchor in float32 (the stored tensor itself for a float32 anchor)."""
+        """Tensor ``i`` of the anchor in float32, or float64 for a float64 parameter (the stored tensor itself then)."""
         a = self.tensors[i]
-        return a if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else self.decoded(i)
+        return a if isinstance(a, torch.Tensor) and a.dtype in (torch.float32, torch.float64) else self.decoded(i)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
