@@ -434,3 +434,33 @@ def test_a_point_killed_by_sigterm_before_it_could_save_is_stopped_not_failed(tm
     stdout, stderr = proc.communicate(timeout=120)
     status = json.loads((out / "sweep.json").read_text())["points"][0]["status"]
     assert status == "stopped" and not (out / "seed-0" / "failed.json").exists(), stderr
+
+
+def test_report_and_plot_give_a_strategy_the_same_colour_whatever_the_order():
+    """lordo plot coloured by order of appearance and lordo report by its own order, so one strategy had opposite
+    colours in the two; both now take the strategy's fixed colour."""
+    pytest.importorskip("matplotlib")
+    from lordo.experiments.plots import strategy_colour, styles
+
+    one = styles(["x", "y"], ["lordo", "ddp"])
+    other = styles(["y", "x"], ["ddp", "lordo"])
+    assert one["x"]["color"] == other["x"]["color"] == strategy_colour("lordo")
+    assert one["y"]["color"] == other["y"]["color"] == strategy_colour("ddp") != strategy_colour("lordo")
+
+
+def test_a_bytes_axis_is_labelled_in_binary_units_at_its_powers_of_ten_only():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lordo.experiments.plots import bytes_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([2e5, 3e9], [1, 2])
+    bytes_axis(ax)
+    fig.canvas.draw()
+    major = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+    minor = [t.get_text() for t in ax.get_xticklabels(minor=True) if t.get_text()]
+    plt.close(fig)
+    assert minor == [] and "95.4 MiB" in major and "9.31 GiB" in major and not any(m.endswith(" B") and
+                                                                                     float(m[:-2]) > 1e3 for m in major)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LordoError
-from ..files import read_jsonl
+from ..files import read_json, read_jsonl
 from .runs import group_key, swept_numbers, wire_rows
 
 
@@ -44,15 +44,31 @@ def _by_point(runs: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]
     return list(groups.items())
 
 
-def styles(labels: list[str], strategies: list[str]) -> dict[str, dict[str, Any]]:
-    """Matplotlib style of each point: one colour per strategy (or per point, when all share one), and within a
-    colour a line style and marker per point (its rate, seed or other setting), so that no two series look alike."""
+STRATEGY_ORDER = ("ddp", "lowrank-ddp", "local-adam", "diloco", "lordo", "lordo-global-noqh", "lordo-local")
+
+
+def strategy_colour(name: str) -> Any:
+    """The one colour of strategy ``name`` in every plot (``lordo report``'s and ``lordo plot``'s alike): tab10's
+    colour at its place in :data:`STRATEGY_ORDER` (other names after them)."""
     import matplotlib
 
-    keys = strategies if len(set(strategies)) > 1 else labels
+    cmap = matplotlib.colormaps["tab10"]
+    i = STRATEGY_ORDER.index(name) if name in STRATEGY_ORDER else len(STRATEGY_ORDER) + sum(map(ord, name)) % 3
+    return cmap(i % cmap.N)
+
+
+def styles(labels: list[str], strategies: list[str]) -> dict[str, dict[str, Any]]:
+    """Matplotlib style of each point: one colour per strategy (:func:`strategy_colour`; per point, when all share
+    one strategy), and within a colour a line style and marker per point (its rate, seed or other setting), so that
+    no two series look alike."""
+    import matplotlib
+
+    by_strategy = len(set(strategies)) > 1
+    keys = strategies if by_strategy else labels
     cmap = matplotlib.colormaps["tab10" if len(set(keys)) <= 10 else "tab20"]
     palette = [cmap(i) for i in range(cmap.N)]
-    colours = {k: palette[i % len(palette)] for i, k in enumerate(dict.fromkeys(keys))}
+    colours = {k: strategy_colour(k) if by_strategy else palette[i % len(palette)]
+               for i, k in enumerate(dict.fromkeys(keys))}
     seen: dict[str, int] = {}
     out = {}
     for label, key in zip(labels, keys):
@@ -60,6 +76,23 @@ def styles(labels: list[str], strategies: list[str]) -> dict[str, dict[str, Any]
         seen[key] = n + 1
         out[label] = {"color": colours[key], "ls": LINE_STYLES[n % len(LINE_STYLES)], "marker": MARKERS[n % len(MARKERS)]}
     return out
+
+
+def bytes_axis(ax: Any) -> None:
+    """A log axis of bytes labelled in KiB / MiB / GiB at its powers of ten only (the minor ticks unlabelled: raw
+    byte counts there collided)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def label(value: float, _: Any) -> str:
+        for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if value >= size:
+                return f"{value / size:.3g} {unit}"
+        return f"{value:g} B"
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10))
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -86,7 +119,7 @@ def _mean_band(ax: Any, series: list[dict[float, float]], label: str, style: dic
 def _legend_outside(fig: Any, ax: Any) -> None:
     """The legend to the right of the axes, never over the data."""
     if ax.get_lines():
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _zoom(ax: Any, lines: list[tuple[list[float], list[float]]], start: float, stop: float) -> None:
@@ -132,8 +165,8 @@ def _plot_loss_vs_bytes(plt: Any, runs: list[dict[str, Any]]) -> Figures:
             continue
         x_of = {st: statistics.mean(s[st][0] for s in by_step) for st in steps}
         _mean_band(ax, [{x_of[st]: s[st][1] for st in steps} for s in by_step], label, style[label])
-    ax.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="validation loss",
-           title="validation loss vs communication")
+    bytes_axis(ax)
+    ax.set(xlabel="bytes sent per worker (cumulative)", ylabel="validation loss", title="validation loss vs communication")
     _legend_outside(fig, ax)
     fig.tight_layout()
     return [("val_loss_vs_bytes.png", fig)]
@@ -187,7 +220,7 @@ def _plot_swept(plt: Any, runs: list[dict[str, Any]]) -> Figures:
             xs = sorted({x for pts in series.values() for x, _, _ in pts})
             ax.set_xticks(xs, [f"{x:g}" for x in xs])
             ax.minorticks_off()  # only the swept values are labelled
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=9)
         out.append((f"val_ppl_vs_{short}.png", fig))
     return out
 
@@ -200,9 +233,9 @@ def _plot_memory(plt: Any, runs: list[dict[str, Any]]) -> Figures:
         heights = [run["summary"]["optimizer_state_bytes"].get(cat, 0) / 2**20 for run in runs]
         ax.bar(range(len(runs)), heights, bottom=bottoms, label=cat)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(range(len(runs)), [run["name"] for run in runs], rotation=60, ha="right", fontsize=6)
+    ax.set_xticks(range(len(runs)), [run["name"] for run in runs], rotation=60, ha="right", fontsize=9)
     ax.set(ylabel="MiB per worker", title="optimizer state by category")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=9)
     fig.tight_layout()
     return [("optimizer_memory.png", fig)]
 
@@ -228,7 +261,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         evals = [r for r in rows if "val_loss" in r]
         if not evals:
             raise LordoError(f"{path} holds no validation loss yet")
-        runs.append((d.name or str(d), [r for r in rows if "train_loss" in r], evals))
+        strategy = ((read_json(d / "config.json") or {}).get("strategy") or {}).get("name", d.name or str(d))
+        runs.append((d.name or str(d), [r for r in rows if "train_loss" in r], evals, strategy))
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -240,10 +274,13 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
         return r.get("comm_wire_bytes", r.get("comm_bytes", 0))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, trains, evals in runs:
-        line = left.plot([r["step"] for r in trains], [r["train_loss"] for r in trains], lw=1, alpha=0.6,
-                         label=f"{name}, train")[0] if trains else None
-        color = line.get_color() if line is not None else None
+    names = [strategy for _, _, _, strategy in runs]
+    colours = styles([name for name, _, _, _ in runs], names)  # one colour per strategy, as lordo report's
+    for name, trains, evals, _ in runs:
+        color = colours[name]["color"]
+        if trains:
+            left.plot([r["step"] for r in trains], [r["train_loss"] for r in trains], lw=1, alpha=0.6, color=color,
+                      label=f"{name}, train")
         left.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], marker="o", ms=4, ls="--", color=color,
                   label=f"{name}, validation")
         train_sent = [r for r in trains if sent(r) > 0]
@@ -254,11 +291,11 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path) -> Path:
             right.plot([sent(r) for r in eval_sent], [r["val_loss"] for r in eval_sent], marker="o", ms=4, ls="--",
                        color=color, label=name)
     left.set(xlabel="step", ylabel="loss", title="training (line) and validation (points) loss vs step")
-    right.set(xscale="log", xlabel="bytes sent per worker (cumulative)", ylabel="loss",
-              title="loss vs communication")
-    left.legend(fontsize=7)
+    bytes_axis(right)
+    right.set(xlabel="bytes sent per worker (cumulative)", ylabel="loss", title="loss vs communication")
+    left.legend(fontsize=9)
     if right.get_lines():
-        right.legend(fontsize=7)
+        right.legend(fontsize=9)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, out)
