@@ -265,3 +265,19 @@ def test_load_trained_is_public_and_gives_the_run_s_model_and_tokenizer(tmp_path
         torch.testing.assert_close(trained.model(ids)[0], model(ids)[0])
     assert trained.source == "model.pt" and trained.tokenizer_file == tmp_path / "run" / "tokenizer.json"
     assert "load_trained" in lordo.__all__
+
+
+def test_a_config_whose_head_count_changed_after_training_is_refused(tmp_path, data_dir, dataset, capsys):
+    """n_heads reshapes no weight, so a config.json edited after training exported the weights into another
+    architecture without a word; the run's checkpoints record the config it trained with, and the export checks it."""
+    fake_run(tmp_path / "run", data_dir, dataset, "nano")
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    step = tmp_path / "run" / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"format": 1, "step": 10, "world_size": 1, "config": config}))
+    heads = config["model"]["n_heads"]
+    config["model"]["n_heads"] = heads // 2
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"model.n_heads {heads // 2} there, {heads} in training" in err and not (tmp_path / "hf").exists()

@@ -60,6 +60,33 @@ def _run_config(run: Path) -> dict[str, Any]:
         raise ExportError(f"{path} is missing or damaged ({exc}); is {run} a folder `lordo train` wrote?") from None
 
 
+ARCHITECTURE = ("preset", "d_model", "n_layers", "n_heads", "seq_len", "ffn_hidden", "rope_theta", "norm_eps")
+
+
+def _check_model_config(run: Path, config: dict[str, Any], checkpoint: str | None) -> None:
+    """The model section of ``config.json`` against the one the run trained with (its newest complete checkpoint's
+    meta.json, or the named checkpoint's): a changed head count reshapes nothing, so the weights would load into
+    another architecture without a word."""
+    from ..train.checkpoint import Checkpointer, CheckpointError
+
+    root = run / "checkpoints"
+    names = sorted(p.name for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial")) \
+        if root.is_dir() else []
+    if checkpoint is not None:
+        names = [f"step-{int(checkpoint):08d}" if checkpoint.isdigit() else checkpoint]
+    for name in reversed(names):
+        try:
+            trained = (Checkpointer.read_meta(root / name)["config"].get("model") or {})
+        except CheckpointError:
+            continue
+        ours = config.get("model") or {}
+        differ = [k for k in ARCHITECTURE if k in trained and k in ours and trained[k] != ours[k]]
+        if differ:
+            raise ExportError(f"{run}/config.json describes another model than the one trained (checkpoints/{name}): "
+                              + ", ".join(f"model.{k} {ours[k]!r} there, {trained[k]!r} in training" for k in differ))
+        return
+
+
 def _checkpoint_weights(run: Path, checkpoint: str) -> dict[str, torch.Tensor]:
     """Worker 0's model in a checkpoint (``checkpoint``: a step number or a folder name under checkpoints/); a model
     sharded over its worker's ranks is gathered from the shard files."""
@@ -119,6 +146,7 @@ def load_trained(run: str | Path, checkpoint: str | None = None, data_dir: str |
     :class:`LordoError`) naming the file."""
     run = Path(run)
     config = _run_config(run)
+    _check_model_config(run, config, checkpoint)
     if checkpoint is None:
         path = run / "model.pt"
         if not path.is_file():
