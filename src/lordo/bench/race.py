@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..experiments.runs import read_runs, wire_totals
-from ..experiments.tables import _equal, _seed, _setting, best_rate
+from ..experiments.tables import best_rate, same_value, seed_of, setting_of
 from ..files import read_json
 
 try:
@@ -103,11 +103,11 @@ class Race:
             root = self.path.parent / folder
             if not root.is_dir():
                 raise ConfigError(f"{self.path}: {config['label']}: results folder {root} does not exist (run its sweep)")
-            found += [r for r in read_runs(root) if all(_equal(_setting(r, k), v) for k, v in config.get("where", {}).items())]
+            found += [r for r in read_runs(root) if all(same_value(setting_of(r, k), v) for k, v in config.get("where", {}).items())]
         if not found:
             raise ConfigError(f"{self.path}: {config['label']}: no finished run in {', '.join(config['runs'])} matches "
                               f"{config.get('where', {})}")
-        return sorted(best_rate(found), key=_seed)
+        return sorted(best_rate(found), key=seed_of)
 
     def link_row(self, variant: str | None, rate: float | None) -> dict[str, Any] | None:
         for row in self.link["rows"]:
@@ -151,7 +151,7 @@ def race(path: Path, rates: list[float] | None = None, compute_s: float | None =
             seeds: dict[str, dict[str, Any]] = {}
             for run in runs:
                 curve = curve_of(run)
-                seeds[str(_seed(run))] = {
+                seeds[str(seed_of(run))] = {
                     "minutes": {f"{t:g}": (None if (s := steps_to(curve, t)) is None else s * seconds / 60)
                                 for t in spec.targets},
                     "curve": [(step * seconds / 60, ppl) for step, ppl in curve],
@@ -161,7 +161,7 @@ def race(path: Path, rates: list[float] | None = None, compute_s: float | None =
                 values = [seed["minutes"][f"{t:g}"] for seed in seeds.values()]
                 mean[f"{t:g}"] = None if any(v is None for v in values) else statistics.mean(values)
             out["rows"].append({"label": config["label"], "rate_mbit": rate, "s_per_step": seconds, "step_time": how,
-                                "lr": _setting(runs[0], "optim.lr"), "seeds": seeds, "mean_minutes": mean})
+                                "lr": setting_of(runs[0], "optim.lr"), "seeds": seeds, "mean_minutes": mean})
     return out
 
 

@@ -52,26 +52,26 @@ _MISSING = object()  # a setting a run does not record
 MIN_SEEDS = 2  # a verdict on a claim needs this many seeds at each scale
 
 
-def _setting(run: dict[str, Any], key: str) -> Any:
+def setting_of(run: dict[str, Any], key: str) -> Any:
     if key in run["values"]:
         return run["values"][key]
     section, _, name = key.partition(".")
     return (run["config"].get(section) or {}).get(name, _MISSING)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return math.isclose(a, b, rel_tol=1e-9)
     return bool(a == b)
 
 
-def _seed(run: dict[str, Any]) -> int:
-    seed = _setting(run, "train.seed")
+def seed_of(run: dict[str, Any]) -> int:
+    seed = setting_of(run, "train.seed")
     return 0 if seed is _MISSING else int(seed)
 
 
 def _rate(run: dict[str, Any]) -> float | None:
-    rate = _setting(run, "optim.lr")
+    rate = setting_of(run, "optim.lr")
     return None if rate is _MISSING else float(rate)
 
 
@@ -81,14 +81,14 @@ def best_rate(runs: Runs) -> Runs:
     by_rate: dict[float | None, Runs] = {}
     for run in runs:
         by_rate.setdefault(_rate(run), []).append(run)
-    common = set.intersection(*({_seed(r) for r in rs} for rs in by_rate.values()))
+    common = set.intersection(*({seed_of(r) for r in rs} for rs in by_rate.values()))
 
     def score(rs: list[dict[str, Any]]) -> float:
-        chosen = [r for r in rs if _seed(r) in common] or rs
+        chosen = [r for r in rs if seed_of(r) in common] or rs
         return statistics.mean(r["summary"]["val_ppl"] for r in chosen)
 
     best: Runs = min(list(by_rate.values()), key=score)
-    return sorted(best, key=_seed)
+    return sorted(best, key=seed_of)
 
 
 class Spec:
@@ -174,7 +174,7 @@ class Spec:
             return []
         found = []
         for folder in cell["runs"]:
-            found += [r for r in self._folder(folder) if all(_equal(_setting(r, k), v) for k, v in cell.get("where", {}).items())]
+            found += [r for r in self._folder(folder) if all(same_value(setting_of(r, k), v) for k, v in cell.get("where", {}).items())]
         return found
 
     def _folder(self, name: str) -> Runs:
@@ -251,8 +251,8 @@ def render(spec: Spec, command: str) -> list[str]:
 
 def _paired(a: Runs, b: Runs) -> dict[int, float]:
     """Seed → a's perplexity against b's on that seed, in per cent."""
-    theirs = {_seed(r): r["summary"]["val_ppl"] for r in b}
-    return {_seed(r): 100 * (r["summary"]["val_ppl"] / theirs[_seed(r)] - 1) for r in a if _seed(r) in theirs}
+    theirs = {seed_of(r): r["summary"]["val_ppl"] for r in b}
+    return {seed_of(r): 100 * (r["summary"]["val_ppl"] / theirs[seed_of(r)] - 1) for r in a if seed_of(r) in theirs}
 
 
 def _direction(diffs: dict[int, float]) -> str | None:
