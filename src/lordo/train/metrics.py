@@ -96,7 +96,7 @@ class Progress:
 
             self.bar = tqdm(total=total, initial=start, file=stream, unit="step", dynamic_ncols=True, leave=True,
                             bar_format="step {n_fmt}/{total_fmt} {bar:20} [{elapsed}<{remaining}]{postfix}")
-        elif enabled:
+        elif enabled and self.at_least_s > 0:  # (0: every step prints a line already)
             threading.Thread(target=self._heartbeat, name="lordo-progress", daemon=True).start()
 
     def update(self, step: int, text: str, val_ppl: float | None = None, force: bool = False) -> None:
@@ -126,7 +126,7 @@ class Progress:
     def _heartbeat(self) -> None:
         """A line when a step keeps the run silent for ``at_least_s`` (a slow step, a synchronisation over a slow
         link): the cadence holds inside steps, not only at their ends."""
-        while not self._closed.wait(min(1.0, self.at_least_s / 4)):
+        while not self._closed.wait(min(1.0, max(self.at_least_s / 4, 0.05))):
             if time.monotonic() - self.last >= self.at_least_s and self.step < self.total:
                 try:
                     self._line(f"(step {self.step + 1} running)", self.step)
