@@ -211,20 +211,24 @@ class _MuonSpec:
             self.E = self.omega * self.E
 
 
-@pytest.mark.parametrize("qh_scale", ["own", "momentum"])
-@pytest.mark.parametrize("after_qh", ["keep", "remove"])
+@pytest.mark.parametrize("form, qh_scale, after_qh", [
+    ("lowrank", "own", "keep"), ("lowrank", "own", "remove"), ("lowrank", "momentum", "keep"),
+    ("lowrank", "momentum", "remove"), ("whole", "own", "keep"), ("whole", "own", "remove"), ("split", "own", "remove")])
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
-def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):
+def test_the_muon_forms_equal_their_formulas_in_float64(shape, form, qh_scale, after_qh):
     """Six steps at ω = 0.9 with error feedback (G + E in the QH term, deferred from the second step on) and weight
-    decay; the basis changes before step 4 (M rotated into it, E settled), both sides."""
+    decay; the basis changes before step 4 (M rotated into it, E settled), both sides; each orthogonalise setting
+    against its formula (the module doc's) in float64 (μ = 0.8 for split: the two halves of its momentum differ)."""
     torch.manual_seed(5)
     r = 3
     w = nn.Parameter(torch.randn(shape))
     q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
-    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=0.9, omega=0.9, weight_decay=0.1,
-                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, qh_scale=qh_scale)
+    mu = 0.8 if form == "split" else 0.9
+    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=mu, omega=0.9, weight_decay=0.1,
+                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, qh_scale=qh_scale, orthogonalise=form)
     opt.set_basis(w, q)
-    spec = _MuonSpec(w, q, lr=0.02, mu=0.9, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, qh_scale=qh_scale)
+    spec = _MuonSpec(w, q, lr=0.02, mu=mu, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, qh_scale=qh_scale,
+                     whole=form == "whole", split=form == "split")
     for t in range(1, 7):
         if t == 4:
             q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
@@ -237,35 +241,6 @@ def test_the_muon_form_equals_its_formula_in_float64(shape, after_qh, qh_scale):
         torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
     assert set(opt.state[w]) >= {"exp_avg", "basis", "error_feedback"} and "exp_avg_sq" not in opt.state[w]
-
-
-@pytest.mark.parametrize("form, after_qh", [("whole", "keep"), ("whole", "remove"), ("split", "remove")])
-@pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
-def test_the_whole_step_forms_equal_their_formulas_in_float64(shape, form, after_qh):
-    """orthogonalise = "whole" and "split": six steps at ω = 0.9 (μ = 0.8 for split: the two halves of its momentum
-    differ) with error feedback and weight decay, a basis change before step 4, both sides, against the formula of
-    the module doc computed in float64."""
-    torch.manual_seed(15)
-    r = 3
-    w = nn.Parameter(torch.randn(shape))
-    q = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
-    mu = 0.8 if form == "split" else 0.9
-    opt = LowRankMuon([{"params": [w], "rank": r}], lr=0.02, momentum=mu, omega=0.9, weight_decay=0.1,
-                      error_feedback_after_qh=after_qh, ns_dtype=torch.float64, orthogonalise=form)
-    opt.set_basis(w, q)
-    spec = _MuonSpec(w, q, lr=0.02, mu=mu, omega=0.9, wd=0.1, after_qh=after_qh, rank=r, whole=form == "whole",
-                     split=form == "split")
-    for t in range(1, 7):
-        if t == 4:
-            q2 = torch.linalg.qr(torch.randn(min(shape), r, dtype=torch.float64))[0].float()
-            opt.set_basis(w, q2)
-            spec.set_basis(q2)
-        G = torch.randn(shape, dtype=torch.float64)
-        w.grad = G.float()
-        opt.step()
-        spec.step(G)
-        torch.testing.assert_close(w.detach().double(), spec.W, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.error_feedback(w).double(), spec.E, rtol=1e-5, atol=1e-6)
     assert opt.state[w]["exp_avg"].shape == ((shape[0], r) if shape[0] >= shape[1] else (r, shape[1]))
 
 
@@ -292,6 +267,16 @@ def test_the_whole_step_moves_directions_outside_the_basis_as_far_as_inside():
     assert 0.8 * even < ratios["whole"] < 1.25 * even and ratios["lowrank"] < 0.5 * even, ratios
 
 
+def step_side_by_side(ours, opt, ref, reference, steps, rtol, atol):
+    """``steps`` random gradients given to both optimizers; their parameters compared after each step."""
+    for _ in range(steps):
+        g = torch.randn(ours.shape)
+        ours.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        reference.step()
+        torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("orthogonalise", ["lowrank", "whole"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
@@ -303,12 +288,7 @@ def test_at_full_rank_omega_one_and_the_identity_basis_it_is_torchs_muon(shape, 
                       orthogonalise=orthogonalise)
     opt.set_basis(ours, torch.eye(min(shape)))
     muon = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn=adjust)
-    for _ in range(5):
-        g = torch.randn(shape)
-        ours.grad, ref.grad = g.clone(), g.clone()
-        opt.step()
-        muon.step()
-        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-7)
+    step_side_by_side(ours, opt, ref, muon, 5, rtol=1e-6, atol=1e-7)
     assert float(opt.error_feedback(ours).abs().max()) == 0  # a basis of the whole space drops nothing
 
 
@@ -524,12 +504,7 @@ def test_the_split_form_is_torchs_muon_at_any_rank_while_the_basis_stays_and_ome
     opt.set_basis(ours, torch.linalg.qr(torch.randn(min(shape), min(rank, min(shape))))[0])
     muon = PrecisionMuon([ref], lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32,
                          adjust_lr_fn="match_rms_adamw")
-    for _ in range(6):
-        g = torch.randn(shape)
-        ours.grad, ref.grad = g.clone(), g.clone()
-        opt.step()
-        muon.step()
-        torch.testing.assert_close(ours, ref, rtol=2e-5, atol=2e-6)
+    step_side_by_side(ours, opt, ref, muon, 6, rtol=2e-5, atol=2e-6)
 
 
 def test_the_split_form_refuses_error_feedback_settings_it_cannot_read_as_a_momentum():

@@ -66,6 +66,20 @@ def reference_run(shape, grads, *, K, tau, r, options):
     return final
 
 
+def delayed_run(shape, grads, K, tau, r, dtype):
+    """Two workers of one matrix in ``dtype`` through the steps of ``grads`` (float64), rounds every K steps landing τ
+    late; the final synchronisation left to the caller."""
+    models = [OneMatrix(shape).to(dtype) for _ in range(2)]
+    opts = [LowRankQHAdam([{"params": [m.w], "rank": r}], lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9,
+                          weight_decay=0.1, basis_method="svd") for m in models]
+    strategy = LoRDOStrategy(models, SimCommunicator(2), optimizers=opts, sync_every=K, sync_delay=tau, grad_clip=0)
+    for per_worker in grads:
+        for m, g in zip(models, per_worker):
+            m.w.grad = g.to(dtype)
+        strategy.step()
+    return models, strategy
+
+
 @pytest.mark.parametrize("shape", [(12, 7), (5, 11)])
 @pytest.mark.parametrize("tau", [0, 1, 2, 3])
 def test_the_delayed_merge_equals_the_float64_reference(shape, tau):
@@ -79,14 +93,7 @@ def test_the_delayed_merge_equals_the_float64_reference(shape, tau):
     grads = [[torch.randn(shape, dtype=torch.float64) for _ in range(2)] for _ in range(steps)]
     expected = reference_run(shape, grads, K=K, tau=tau, r=r, options=options)
 
-    models = [OneMatrix(shape) for _ in range(2)]
-    opts = [LowRankQHAdam([{"params": [m.w], "rank": r}], lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9,
-                          weight_decay=0.1, basis_method="svd") for m in models]
-    strategy = LoRDOStrategy(models, SimCommunicator(2), optimizers=opts, sync_every=K, sync_delay=tau, grad_clip=0)
-    for per_worker in grads:
-        for m, g in zip(models, per_worker):
-            m.w.grad = g.float()
-        strategy.step()
+    models, strategy = delayed_run(shape, grads, K, tau, r, torch.float32)
     strategy.finish()
     for m in models:
         torch.testing.assert_close(m.w.detach().double(), expected, rtol=1e-4, atol=1e-5)
@@ -220,14 +227,7 @@ def test_the_delayed_merge_of_a_float64_model_stays_exact():
     torch.manual_seed(5)
     grads = [[torch.randn(shape, dtype=torch.float64) for _ in range(2)] for _ in range(steps)]
     expected = reference_run(shape, grads, K=K, tau=tau, r=r, options=options)
-    models = [OneMatrix(shape).double() for _ in range(2)]
-    opts = [LowRankQHAdam([{"params": [m.w], "rank": r}], lr=0.05, betas=(0.8, 0.95), eps=1e-8, omega=0.9,
-                          weight_decay=0.1, basis_method="svd") for m in models]
-    strategy = LoRDOStrategy(models, SimCommunicator(2), optimizers=opts, sync_every=K, sync_delay=tau, grad_clip=0)
-    for per_worker in grads:
-        for m, g in zip(models, per_worker):
-            m.w.grad = g.clone()
-        strategy.step()
+    models, strategy = delayed_run(shape, grads, K, tau, r, torch.float64)
     assert strategy.anchor.decoded(0).dtype == torch.float64
     strategy.finish()
     for m in models:
