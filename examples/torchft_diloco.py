@@ -9,10 +9,11 @@ wraps its loop in ``with DiLoCo(...)``. This is that loop on lordo's bundled cor
 A Lighthouse, then one process per worker:
 
     torchft_lighthouse --min_replicas 2 --join_timeout_ms 10000
-    TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=3 REPLICA_GROUP_ID=0 python examples/torchft_diloco.py
+    RUST_LOG=warn TORCHFT_LIGHTHOUSE=http://localhost:29510 NUM_REPLICA_GROUPS=3 REPLICA_GROUP_ID=0 python examples/torchft_diloco.py
 
-(and REPLICA_GROUP_ID=1, 2). Kill one: the others go on; start it again: it recovers from them. Run lordo data fetch
-once for the corpus.
+(and REPLICA_GROUP_ID=1, 2; RUST_LOG=warn keeps torchft's Rust side from logging every quorum at INFO, some 50 lines
+per 48 steps: it is read when torchft is first imported, so it must be in the environment). Kill one: the others go
+on; start it again: it recovers from them. Run lordo data fetch once for the corpus.
 """
 
 from __future__ import annotations
