@@ -8,9 +8,6 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-NO_TOKENIZER = ("has no tokenizer: neither its folder's tokenizer.json nor its prepared corpus's was found (--data-dir "
-                "names where the corpus is prepared; a run on token files has none)")
-
 
 def add_parsers(sub) -> None:
     s = sub.add_parser("sample", help="text from a run's model: greedy, or sampled at a temperature (seeded)",
@@ -53,7 +50,7 @@ def _load(args: argparse.Namespace):
 def _sample(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from .model.export import EOT
+    from .model.export import EOT, NO_TOKENIZER
     from .model.sample import SampleError, generate
 
     trained = _load(args)
@@ -75,7 +72,7 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .model.export import export_hf
+    from .model.export import NO_TOKENIZER, export_hf
 
     trained = _load(args)
     folder = export_hf(trained, args.hf)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..files import write_json
-from .export import TrainedModel, export_hf
+from .export import NO_TOKENIZER, TrainedModel, export_hf
 
 
 def _lm_eval():
@@ -36,9 +36,7 @@ def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None 
     """Each task's metrics (numbers only) for ``trained``, scored by the harness on its exported Hugging Face form."""
     lm_eval, task_manager = _lm_eval()
     if trained.tokenizer_file is None:
-        raise ConfigError("the run has no tokenizer: neither its folder's tokenizer.json nor its prepared corpus's was "
-                          "found (--data-dir names where the corpus is prepared; a run on token files has none); the "
-                          "harness needs one to read its tasks")
+        raise ConfigError(f"the run {NO_TOKENIZER}; the harness needs one to read its tasks")
     manager = task_manager(include_path=include_path) if include_path else task_manager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
@@ -53,9 +51,9 @@ def run_tasks(trained: TrainedModel, tasks: list[str], include_path: str | None 
                 limit=limit, batch_size=batch_size, device=device, log_samples=False)
         except (ConnectionError, OSError) as exc:  # a task's data set on the Hub, which cannot be reached
             cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"lm-eval could not load the data of {', '.join(tasks)} ({cause}). Without internet, score "
-                              "a task whose data is on disk: --include-path DIR with a task YAML (docs/training.md, "
-                              "\"Downstream tasks\")") from None
+            raise ConfigError(f"lm-eval stopped on a network or file error while scoring {', '.join(tasks)} ({cause}). A "
+                              "public task's data comes from the Hugging Face Hub: without internet, score a task whose "
+                              "data is on disk: --include-path DIR with a task YAML (docs/training.md)") from None
     scores: dict[str, dict[str, float]] = {}
     for task, metrics in results["results"].items():
         numbers = {k.replace(",none", ""): float(v) for k, v in metrics.items()

@@ -27,6 +27,8 @@ from ..errors import ConfigError, LordoError
 from .gpt import GPT, GPTConfig
 
 EOT = "<|endoftext|>"
+NO_TOKENIZER = ("has no tokenizer: neither its folder's tokenizer.json nor its prepared corpus's was found (--data-dir "
+                "names where the corpus is prepared; a run on token files has none)")
 
 
 class ExportError(LordoError):
