@@ -307,8 +307,6 @@ def test_a_rounded_anchor_leaves_the_averaged_model_exact(dtype):
 def test_a_rounded_anchor_is_refused_with_an_outer_momentum():
     with pytest.raises(ConfigError, match="plain averaging"):
         build("diloco", overrides=['strategy.anchor_dtype="bfloat16"'])
-    with pytest.raises(ConfigError, match="moments_dtype"):
-        build("ddp", overrides=['strategy.moments_dtype="int8"'])
     with pytest.raises(ConfigError, match="average_error_feedback"):
         build("lordo", overrides=['strategy.error_feedback_dtype="int4"', "strategy.average_error_feedback=true"])
 

@@ -138,7 +138,9 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
 def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
     """Muon as ``optim.inner = "muon"`` builds it: LoRDO's Muon form (LowRankMuon at the same rank) and torch's
     Muon on the block matrices with AdamW on the rest (ddp's and local-adam's inner optimizer), each with
-    Newton–Schulz in bfloat16 (torch's) and in float32 (``optim.muon_ns_dtype``)."""
+    Newton–Schulz in bfloat16 (torch's) and in float32 (``optim.muon_ns_dtype``); then, in float32, the Muon form
+    that orthogonalises the split momentum (``optim.muon_orthogonalise = "split"``) and MuonAdamW with its state in
+    8 bits (local-adam + Muon under ``--lean``)."""
     from ..strategies import make_lowrank_optimizer
     from ..strategies.build import make_inner
 
@@ -150,6 +152,12 @@ def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
                                                                                    omega=cfg.strategy.omega)
         gs, _, _ = replica()
         out[f"torch Muon + AdamW (MuonAdamW), NS {dtype}"] = make_inner(gs, muon)
+    muon = dataclasses.replace(cfg.optim, inner="muon", muon_ns_dtype="float32")
+    gs, _, _ = replica()
+    split = dataclasses.replace(muon, muon_orthogonalise="split")
+    out["lordo, Muon form split, NS float32"] = make_lowrank_optimizer(gs, cfg.strategy, split, omega=cfg.strategy.omega)
+    gs, _, _ = replica()
+    out["torch Muon + AdamW, 8-bit state (MuLoCo --lean), NS float32"] = make_inner(gs, muon, "int8")
     return out
 
 

@@ -289,8 +289,8 @@ class StrategyConfig(_Section):
                                  "the next round's (error feedback), so nothing is lost over rounds")
     memory: str = _f("default", "lean: every storage choice that kept perplexity within its gate at 2,000 steps "
                      "(docs/results.md, 'Less memory'): the fields below that are at their defaults become "
-                     "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8, lowrank_moments_dtype int8 "
-                     "and compress_residual model, "
+                     "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8 (LoRDO's strategies, and "
+                     "local-adam with optim.inner = muon), lowrank_moments_dtype int8 and compress_residual model, "
                      "where the strategy has them; default: as each field says", _choice("default", "lean"))
     compress_residual: str = _f("buffer", "where what compressing the pseudo-gradient lost waits for the next round "
                                 "(compress_feedback = true): buffer (a float32 buffer per worker, as large as the model) "
@@ -300,10 +300,11 @@ class StrategyConfig(_Section):
                                    "state LoRDO keeps): float32, bfloat16 (half), int8 or int4 (8 or 4 bits per element "
                                    "with a scale per block: about a quarter or an eighth; the step computes in float32)",
                                    _choice("float32", "bfloat16", "int8", "int4"))
-    moments_dtype: str = _f("float32", "storage of the full-rank parameters' Adam moments (embedding, head, norms) in "
-                            "LoRDO's inner optimizer (lordo, lordo-global-noqh, lordo-local, lowrank-ddp): float32 or int8 "
-                            "(8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; tensors under 4,096 "
-                            "elements stay float32)", _choice("float32", "int8"))
+    moments_dtype: str = _f("float32", "storage of the full-rank moments: the full-rank parameters' Adam moments "
+                            "(embedding, head, norms) in LoRDO's inner optimizer, and the whole inner optimizer's state "
+                            "for ddp, local-adam and diloco (AdamW's moments; with optim.inner = muon, Muon's momentum "
+                            "too): float32 or int8 (8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; "
+                            "tensors under 4,096 elements stay float32)", _choice("float32", "int8"))
     lowrank_moments_dtype: str = _f("float32", "storage of the low-rank matrices' Adam moments (u and v, r per row) "
                                     "in LoRDO's inner optimizer: float32 or int8 (as moments_dtype; each matrix is then "
                                     "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "

@@ -32,30 +32,33 @@ from .lordo import LoRDOStrategy
 from .lowrank_ddp import LowRankDDPStrategy
 
 
-def make_adamw(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Optimizer:
+def make_adamw(groups: Sequence[ParamGroup], o: OptimConfig, moments_dtype: str = "float32") -> torch.optim.Optimizer:
     """AdamW over parameter groups; weight decay only where the group's rule asks for it.
 
     torch's AdamW keeps its moments in the parameters' dtype, where g² underflows for fp16 weights; for a
-    bf16/fp16 model this is ``LowRankQHAdam`` with ``rank=None, omega=1``: AdamW's update with float32
-    moments (tests/test_optim.py checks the equality)."""
+    bf16/fp16 model, and with ``moments_dtype = "int8"`` (its moments held in 8 bits between steps), this is
+    ``LowRankQHAdam`` with ``rank=None, omega=1``: AdamW's update with float32 arithmetic (tests/test_optim.py checks
+    the equality)."""
     param_groups = [
         {"params": g.params, "weight_decay": o.weight_decay if g.rule.weight_decay else 0.0, "name": g.rule.group}
         for g in groups
     ]
     params = [p for g in groups for p in g.params]
-    if any(p.dtype in (torch.float16, torch.bfloat16) for p in params):
-        return LowRankQHAdam(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=1.0, rank=None)
+    if moments_dtype != "float32" or any(p.dtype in (torch.float16, torch.bfloat16) for p in params):
+        return LowRankQHAdam(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, omega=1.0, rank=None,
+                             moments_dtype=None if moments_dtype == "float32" else moments_dtype)
     fused = takes_fused_adamw(params)
     return torch.optim.AdamW(param_groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                              fused=fused or None, foreach=None if fused else True)
 
 
-def make_inner(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Optimizer:
+def make_inner(groups: Sequence[ParamGroup], o: OptimConfig, moments_dtype: str = "float32") -> torch.optim.Optimizer:
     """The inner optimizer of ddp, local-adam and diloco: AdamW (:func:`make_adamw`), or with ``optim.inner = muon``
     torch's Muon on the 2-D parameters of the groups whose rule marks them as block matrices and AdamW on the rest
-    (:class:`~lordo.optim.hybrid.MuonAdamW`)."""
+    (:class:`~lordo.optim.hybrid.MuonAdamW`); ``moments_dtype`` (``strategy.moments_dtype``) holds their state in 8
+    bits between steps."""
     if o.inner != "muon":
-        return make_adamw(groups, o)
+        return make_adamw(groups, o, moments_dtype)
     if any(p.dtype in (torch.float16, torch.bfloat16) for g in groups for p in g.params):
         raise ConfigError("optim.inner = \"muon\" with bfloat16/float16 weights: Muon keeps its momentum in the "
                           "weights' dtype; use train.precision = \"fp32\" or \"bf16-mixed\"")
@@ -71,7 +74,7 @@ def make_inner(groups: Sequence[ParamGroup], o: OptimConfig) -> torch.optim.Opti
         raise ConfigError("optim.inner = \"muon\": no parameter group holds block matrices for Muon to take")
     return MuonAdamW(param_groups, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2), eps=o.eps,
                      momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps,
-                     adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype))
+                     adjust_lr_fn=o.muon_adjust_lr, ns_dtype=getattr(torch, o.muon_ns_dtype), moments_dtype=moments_dtype)
 
 
 def split_lowrank(groups: Sequence[ParamGroup], pattern: str, rank: int) -> tuple[list[dict], list[str]]:
@@ -170,13 +173,14 @@ Groups = Sequence[Sequence[ParamGroup]]
 
 
 def _ddp(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
-    return DDPStrategy(models, comm, optimizers=[make_inner(g, cfg.optim) for g in groups], grad_clip=cfg.optim.grad_clip,
+    optimizers = [make_inner(g, cfg.optim, cfg.strategy.moments_dtype) for g in groups]
+    return DDPStrategy(models, comm, optimizers=optimizers, grad_clip=cfg.optim.grad_clip,
                        sync_buffers=cfg.strategy.sync_buffers)
 
 
 def _local_adam(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator) -> Strategy:
-    return LocalUpdateStrategy(models, comm, optimizers=[make_inner(g, cfg.optim) for g in groups],
-                               **_local_options(cfg, "none"))
+    optimizers = [make_inner(g, cfg.optim, cfg.strategy.moments_dtype) for g in groups]
+    return LocalUpdateStrategy(models, comm, optimizers=optimizers, **_local_options(cfg, "none"))
 
 
 def _lordo(cfg: Config, models: list[nn.Module], groups: Groups, comm: Communicator, *, omega: float | None = None,
