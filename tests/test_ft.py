@@ -301,6 +301,31 @@ def test_two_workers_with_the_same_replica_index_are_refused(tmp_path):
         assert p.returncode != 0 and "another worker started as replica 0 too ($REPLICA_GROUP_ID=0)" in text, text[-2000:]
 
 
+def test_a_worker_that_joins_late_under_a_taken_replica_index_is_refused_and_the_run_goes_on(tmp_path):
+    """A second worker started as replica 0 while replica 0 trains (min_workers 1: the first started alone) would
+    join by recovery and train on the same shard: it refuses, naming the variable; the first finishes."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1500)
+    try:
+        base = dict(workers=2, lighthouse=server.address(), min_workers=1, strategy="lordo", sync_every=K, steps=24,
+                    out=str(tmp_path))
+        first = subprocess.Popen([sys.executable, str(WORKER), json.dumps(dict(base, replica=0, incarnation=0,
+                                  wait_at=10, wait_for="started-0-1"))],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "held-0").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = subprocess.Popen([sys.executable, str(WORKER), json.dumps(dict(base, replica=0, incarnation=1))],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        late_text = late.communicate(timeout=180)[0]
+        first_text = first.communicate(timeout=180)[0]
+    finally:
+        server.shutdown()
+    assert late.returncode != 0, late_text[-2000:]
+    assert "another worker is already running as replica 0 ($REPLICA_GROUP_ID=0)" in late_text, late_text[-2000:]
+    assert first.returncode == 0, first_text[-2000:]
+    assert json.loads((tmp_path / "result-0.json").read_text())["start"] == 0
+
+
 def test_the_example_trains_two_workers(lighthouse, data_dir):
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2", "TORCHFT_MIN_REPLICAS": "2",
            "OMP_NUM_THREADS": "1"}
@@ -351,6 +376,24 @@ def test_torchft_s_diloco_loop_with_lordo_inside_recovers_a_killed_worker(lighth
     # the start round: the Manager's init_sync (torchft's default) gives the others worker 0's start state, so worker
     # 0 alone contributes to it; then three workers, two while one is down, three again
     assert seen[0] == 1 and seen[1:4] == [3, 3, 3] and 2 in seen and seen[-1] == 3
+
+
+def test_torchft_s_loop_refuses_two_workers_with_one_replica_group_id(data_dir, tmp_path):
+    """The lordo.torchft route over the user's own Manager: two workers started with REPLICA_GROUP_ID=0 (a run of
+    two) both refuse at the start, naming the variable, instead of training on one shard."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1500)
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": server.address(), "NUM_REPLICA_GROUPS": "2", "OMP_NUM_THREADS": "1",
+           "REPLICA_GROUP_ID": "0"}
+    script = Path(__file__).resolve().parents[1] / "examples" / "torchft_diloco.py"
+    try:
+        procs = [subprocess.Popen([sys.executable, str(script), "--steps", "16", "--sync-every", "8", "--rank", "4",
+                                   "--data-dir", str(data_dir)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        server.shutdown()
+    for p, text in zip(procs, outputs):
+        assert p.returncode != 0 and "another worker started as replica 0 too ($REPLICA_GROUP_ID=0)" in text, text[-2000:]
 
 
 NANO = ["--model", "nano", "--set", "train.batch_size=4", "--set", "train.eval_batches=2", "--set", "train.eval_every=1000",

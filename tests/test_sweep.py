@@ -73,6 +73,19 @@ def test_jobs_must_be_a_positive_integer(tmp_path):
         run_sweep(sweep, jobs=0)
 
 
+def test_a_second_sweep_of_a_folder_in_use_is_refused_before_it_touches_a_point(tmp_path):
+    """Two `lordo sweep` of one file would run each point twice (the second's runs refused by the run folder's lock)
+    and leave failed.json beside points that finish: the second is refused at once, naming the holder."""
+    from lordo.train.lock import OutputLock
+
+    sweep = load_sweep(write(tmp_path, '[grid]\n"train.seed" = [0]\n'), tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    with OutputLock(tmp_path / "out"):  # the first sweep, running
+        with pytest.raises(ConfigError, match=r"sweep s: .*out is in use by pid \d+ on .*wait for that sweep to end"):
+            run_sweep(sweep, log=lambda _: None)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]  # no point folder, no failed.json
+
+
 def test_failed_point_is_recorded_the_sweep_goes_on_and_a_rerun_skips_done_points(tmp_path, data_dir):
     # rank 64 is larger than nano's 32×32 matrices: that point fails at start-up; rank 4 trains
     f = write(tmp_path, NANO_BASE.format(data=data_dir) + '[grid]\n"strategy.name" = ["lordo"]\n"strategy.rank" = [64, 4]\n')

@@ -67,6 +67,32 @@ def check_lighthouse(address: str, timeout_s: float = 5.0) -> None:
                           "the other workers use (docs/multi-node.md)") from None
 
 
+class _QuorumWatch:
+    """A torchft Manager's client, as it was, that also keeps the replica ids of the last quorum it returned (the
+    Manager reads them and keeps none): how a worker sees another one under its own replica id."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.replica_ids: list[str] = []
+
+    @classmethod
+    def around(cls, manager: Any) -> _QuorumWatch | None:
+        client = getattr(manager, "_client", None)
+        if client is None or not hasattr(client, "_quorum"):  # another torchft: the start round's check remains
+            return None
+        if not isinstance(client, cls):
+            manager._client = cls(client)
+        return manager._client
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._client._quorum(*args, **kwargs)
+        self.replica_ids = [str(rid) for rid in getattr(result, "replica_ids", [])]
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 class TorchFTCommunicator(Communicator):
     """``TorchFTCommunicator(workers, replica, lighthouse=..., min_workers=...)``: this process is worker
     ``replica`` of ``workers`` (the number the run is planned for: it shards the data and scales the
@@ -127,6 +153,7 @@ class TorchFTCommunicator(Communicator):
         return self
 
     def _setup(self, attempts: int, owns_manager: bool) -> None:
+        self._quorums = _QuorumWatch.around(self.manager)
         self.backend = "gloo"  # torchft's process group (recorded in the run's config)
         self.attempts = attempts
         self._owns_manager = owns_manager
@@ -227,6 +254,7 @@ class TorchFTCommunicator(Communicator):
             self._received = None
             self._start_quorum("start", strategy.steps_done)
             received, self._received = self._received, None
+            self._refuse_a_taken_replica(joining_late=received is not None and received["kind"] != "start")
             self._in_round = True
             if received is None:  # everyone is starting: nothing to recover, the same weights everywhere
                 same = self._same_start(strategy)
@@ -269,6 +297,21 @@ class TorchFTCommunicator(Communicator):
                 self._commit(strategy, "recovered:" + received["kind"], attempt)
                 return strategy.steps_done
         raise CommError(f"could not join the run after {self.attempts} attempts")
+
+    def _refuse_a_taken_replica(self, joining_late: bool) -> None:
+        """Refuse to enter a quorum that holds another worker under this one's replica id (torchft's
+        ``REPLICA_GROUP_ID``): it would train on the same data shard. Starting together, every holder refuses;
+        joining a run already going, the newcomer does (the others cannot tell which of them is the late one)."""
+        mine = str(getattr(self.manager, "_replica_id", "") or "").split(":")[0]
+        if self._quorums is None or not mine:
+            return
+        if sum(1 for rid in self._quorums.replica_ids if rid.split(":")[0] == mine) < 2:
+            return
+        index = self.local_ranks[0]
+        when = "is already running as replica {}" if joining_late else "started as replica {} too"
+        raise ConfigError(f"another worker {when.format(index)} (${ENV_REPLICA}={index}), replica id {mine!r}: "
+                          f"each worker needs its own index in 0 .. {self.world_size - 1}, or two would train on the same "
+                          f"data shard; start this one with another ${ENV_REPLICA}")
 
     def _check_settings(self, theirs: dict | None) -> None:
         """Refuse to join a run whose settings differ from this worker's, naming the keys."""

@@ -36,6 +36,7 @@ point leaves ``failed.json`` with its exit code and the end of its error output,
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import json
 import re
@@ -44,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from ..config import build_config, load_toml, tomllib
 from ..errors import ConfigError, Stopped
 from ..files import read_json, read_jsonl, write_json
 from ..launch import die_with_parent
+from ..train.lock import OutputLock, holder
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_CODES = tuple(128 + s for s in STOP_SIGNALS)  # a training run that saved a checkpoint and stopped
@@ -142,6 +144,25 @@ def run_sweep(sweep: Sweep, log: Callable[[str], None] = print, extra_args: list
     if not (isinstance(jobs, int) and jobs >= 1):
         raise ConfigError(f"jobs must be an integer >= 1, got {jobs!r}")
     sweep.out.mkdir(parents=True, exist_ok=True)
+    with _sweep_lock(sweep):  # a second sweep of the same folder would run its points twice and mark them failed
+        return _run_points(sweep, log, extra_args, jobs)
+
+
+@contextlib.contextmanager
+def _sweep_lock(sweep: Sweep) -> Iterator[None]:
+    lock = OutputLock(sweep.out)
+    try:
+        lock.acquire()
+    except ConfigError:
+        raise ConfigError(f"sweep {sweep.name}: {sweep.out} is in use by {holder(sweep.out) or 'another process'}; "
+                          "wait for that sweep to end (`lordo sweep --status` shows its points)") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _run_points(sweep: Sweep, log: Callable[[str], None], extra_args: list[str] | None, jobs: int) -> dict:
     base_file = sweep.out / "base.json"
     write_json(base_file, sweep.base)
     points = sweep.points()
@@ -230,7 +251,6 @@ def point_status(folder: Path) -> tuple[str, str]:
     ``running`` (a live process holds its lock: the step it has logged), ``failed`` (failed.json: the exit code),
     ``stopped`` (begun, not finished, nobody running it: where it resumes) or ``queued`` (not begun)."""
     from ..train.checkpoint import saved_step_dirs
-    from ..train.lock import holder
 
     summary = read_json(folder / "summary.json")
     if summary is not None:
