@@ -81,6 +81,39 @@ def test_every_tensor_a_strategy_holds_is_in_some_worker_s_count():
         assert everything <= counted, (name, overrides, len(everything - counted))
 
 
+def test_the_census_finds_what_only_a_thread_holds_and_nothing_else_escapes_the_walks():
+    """What a round's exchange thread holds in its frame or a closure no walk reaches; the process's own view (gc)
+    does: a hidden buffer shows in the in-flight peak while the thread runs, and with it gone nothing a strategy
+    allocated is left unaccounted (lean, int4 rounds in flight included)."""
+    import threading
+
+    from lordo.strategies.footprint import InFlightPeak, live_storages, unreached
+
+    compact.make_tables(torch.device("cpu"))  # the codec's tables: once per process, not the strategy's
+    for name, overrides in (("lordo", ()), ("lordo", ('strategy.memory="lean"', 'strategy.compress="int4"',
+                                                       "strategy.sync_delay=1"))):
+        before = live_storages()
+        strategy, models = build(name, overrides=overrides, model=wider_model)
+        train(strategy, models, 3)
+        # (a rounded anchor keeps its outer optimizer for its settings, over a 4-byte probe parameter)
+        assert unreached(strategy, models, before) <= 4, (name, overrides)
+        release = threading.Event()
+
+        def exchange(buffer=torch.ones(50_000)):  # a float32 buffer only this thread's frame refers to
+            release.wait(10)
+            return float(buffer[0])
+
+        thread = threading.Thread(target=exchange)
+        thread.start()
+        peak = InFlightPeak(strategy, models, before)
+        timer = threading.Timer(0.2, release.set)
+        timer.start()
+        assert peak.follow(thread.is_alive) >= 200_000 and peak.samples >= 2
+        thread.join()
+        del exchange
+        assert unreached(strategy, models, before) <= 4
+
+
 def test_views_of_a_stacked_state_are_counted_once():
     model = tiny_model()
     matrices = [p for p in model.parameters() if p.ndim == 2 and p.shape[0] != 61]

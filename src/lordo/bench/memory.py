@@ -24,6 +24,8 @@ from torch import nn
 
 from ..config import build_config
 from ..errors import ConfigError
+from ..optim import compact
+from ..strategies.footprint import InFlightPeak, live_storages
 from .step import shape_overrides
 from .timing import machine
 
@@ -91,15 +93,21 @@ def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: in
         torch.cuda.synchronize()
     models = [build_model(cfg, vocab).to(device) for _ in range(2)]
     before = torch.cuda.memory_allocated(device) if cuda else 0
+    baseline = live_storages()  # the models, the codec's tables (made before), whatever the process held
     opt = DistributedOptimizer(models, cfg, SimCommunicator(2), check_finish=False)
     steps = 2 if cfg.strategy.sync_delay else 3  # a delayed round is measured in flight; another one after the sync
     for step in range(steps):
         for rank, model in enumerate(models):
             model(*_tokens(vocab, seq, step, rank, device))[1].backward()
         opt.step(lr=1e-3)
+    # what no walk reaches (a round's thread and closures), sampled while the round's exchange runs and after it
+    handle = getattr(getattr(opt.strategy, "in_flight", None), "handle", None)
+    hidden = InFlightPeak(opt.strategy, models, baseline).follow(lambda: handle is not None and not handle.done)
     measured, accounted = opt.memory_report(), opt.accounted_memory()
+    hosted = len(opt.strategy.workers)
     row = {"measured_bytes": measured["total"], "accounted_bytes": accounted["total"],
            "device_bytes": measured["device_total"], "adamw_bytes": measured["adamw"],
+           "unreached_bytes": hidden, "peak_bytes": measured["total"] + hidden // hosted,
            "by_category": {k: v for k, v in measured.items() if k not in ("total", "device_total", "adamw")}}
     if cuda:  # every hosted worker's device state together, against what the allocator holds beyond the models
         torch.cuda.synchronize()
@@ -174,6 +182,9 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: t
     from ..model import build_model
 
     device = device or torch.device("cpu")
+    before = live_storages()
+    compact.make_tables(device)  # the codec's tables, made once per process: counted apart, not in a row's peak
+    tables = sum(n for key, n in live_storages().items() if key not in before)
     rows = []
     for preset, d_model, layers in shapes:
         overrides = shape_overrides(preset, d_model, layers)
@@ -205,8 +216,9 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: t
             accounted = row["accounted_bytes"]
             rows.append({"shape": label, "params": params, "rank": rank, "name": name, **row,
                          "total_vs_adamw": row["measured_bytes"] / adamw, "device_vs_adamw": row["device_bytes"] / adamw,
+                         "peak_vs_adamw": row.get("peak_bytes", row["measured_bytes"]) / adamw,
                          "accounted_vs_measured": None if accounted is None else accounted / row["measured_bytes"]})
-    return {"machine": machine(), "device": str(device), "rows": rows}
+    return {"machine": machine(), "device": str(device), "codec_tables_bytes": tables, "rows": rows}
 
 
 def within(rows: list[dict[str, Any]], tolerance: float = 0.02) -> list[str]:

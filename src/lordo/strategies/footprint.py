@@ -10,12 +10,19 @@ optimizer's codes and scales, a DTensor's shard), so an optimizer a user brings 
 
 Placement: a tensor on another device type than the worker's parameters is in host memory, as is what the
 strategy declares host-side (``offload_anchor`` on a CPU run): its category is reported with `` (host)``.
+
+A walk reaches what the objects it starts from refer to; a round in flight also holds tensors in its exchange
+thread's frames and closures, which no object refers to. :func:`live_storages` is the process's own view (every
+tensor the garbage collector tracks, wherever it is referred from) and :func:`unreached` what it holds beyond a
+baseline, the models and every walk: :class:`InFlightPeak` samples it while a round's thread runs.
 """
 
 from __future__ import annotations
 
+import gc
+import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -150,3 +157,54 @@ def report(measured: dict[str, int], adamw: int) -> dict[str, int]:
     out["device_total"] = out["total"] - sum(v for k, v in measured.items() if k.endswith(HOST))
     out["adamw"] = adamw
     return out
+
+
+def live_storages() -> dict[tuple[str, int], int]:
+    """Bytes of every storage a live Python tensor holds (the garbage collector's view: a thread's locals, a
+    closure's cells and a future's result included), by storage key."""
+    out: dict[tuple[str, int], int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: a dead weak proxy would raise on __class__
+            for t in plain_tensors(obj):
+                key = storage_key(t)
+                if key is not None:
+                    out[key] = t.untyped_storage().nbytes()
+    return out
+
+
+def reached(strategy: Any) -> set[tuple[str, int]]:
+    """The storages every hosted worker's count reaches (its optimizer's object and what the strategy holds for it)."""
+    keys: set[tuple[str, int]] = set()
+    for w in range(len(strategy.workers)):
+        for objects in (strategy.held(w), vars(strategy.workers[w].optimizer)):
+            keys |= {k for _, t in walk(objects) if (k := storage_key(t)) is not None}
+    return keys
+
+
+def unreached(strategy: Any, models: list[nn.Module], baseline: Iterable[tuple[str, int]]) -> int:
+    """Bytes the process holds beyond ``baseline`` (what lived before the strategy), the models' parameters,
+    gradients and buffers, and every hosted worker's count: what a round's thread holds that no walk reaches."""
+    skip = set(baseline) | excluded_storages(models) | reached(strategy)
+    return sum(n for key, n in live_storages().items() if key not in skip)
+
+
+class InFlightPeak:
+    """The most :func:`unreached` bytes seen while ``busy()`` holds (a round's exchange thread running), sampled
+    every ``interval`` seconds, and once more after it (what the round keeps until it lands)."""
+
+    def __init__(self, strategy: Any, models: list[nn.Module], baseline: Iterable[tuple[str, int]]) -> None:
+        self.strategy, self.models, self.baseline = strategy, models, set(baseline)
+        self.peak, self.samples = 0, 0
+
+    def sample(self) -> int:
+        found = unreached(self.strategy, self.models, self.baseline)
+        self.peak, self.samples = max(self.peak, found), self.samples + 1
+        return found
+
+    def follow(self, busy: Callable[[], bool], interval: float = 0.001, limit_s: float = 600.0) -> int:
+        deadline = time.monotonic() + limit_s
+        while busy() and time.monotonic() < deadline:
+            self.sample()
+            time.sleep(interval)
+        self.sample()
+        return self.peak
