@@ -1,5 +1,5 @@
 """MuLoCo at equal memory: Muon's momentum and AdamW's moments held in 8 bits (``strategy.moments_dtype = "int8"``,
-turned on by ``strategy.memory = "lean"`` for local-adam with Muon inside), against the float32 step whose state is
+opt-in: ``strategy.memory = "lean"`` leaves it off, its gate was missed), against the float32 step whose state is
 rounded in storage, torch's AdamW, a checkpoint round trip and a hand count of the bytes."""
 
 import io
@@ -126,11 +126,12 @@ def test_a_muon_momentum_loads_into_either_storage_and_adamws_moments_are_refuse
         int8.load_state_dict(opt.state_dict())
 
 
-def test_the_lean_flag_holds_muloco_at_8_bits_and_the_bytes_are_counted():
-    lean = build_config(overrides=['strategy.name="local-adam"', 'optim.inner="muon"', 'strategy.memory="lean"']).strategy
-    assert (lean.anchor_dtype, lean.moments_dtype) == ("int8", "int8")
-    adam = build_config(overrides=['strategy.name="local-adam"', 'strategy.memory="lean"']).strategy
-    assert (adam.anchor_dtype, adam.moments_dtype) == ("int8", "float32")  # AdamW inside: not gated, left float32
+def test_the_lean_flag_leaves_muloco_float32_and_the_8_bit_bytes_are_counted():
+    muon = ['strategy.name="local-adam"', 'optim.inner="muon"', 'strategy.memory="lean"']
+    lean = build_config(overrides=muon).strategy
+    assert (lean.anchor_dtype, lean.moments_dtype) == ("int8", "float32")  # missed its gate: opt-in only
+    asked = build_config(overrides=[*muon, 'strategy.moments_dtype="int8"']).strategy
+    assert (asked.anchor_dtype, asked.moments_dtype) == ("int8", "int8")
     params, opt = _muloco("int8")
     _steps(params, opt, 0, 2)
     w, emb, norm = params

@@ -157,7 +157,7 @@ def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
     split = dataclasses.replace(muon, muon_orthogonalise="split")
     out["lordo, Muon form split, NS float32"] = make_lowrank_optimizer(gs, cfg.strategy, split, omega=cfg.strategy.omega)
     gs, _, _ = replica()
-    out["torch Muon + AdamW, 8-bit state (MuLoCo --lean), NS float32"] = make_inner(gs, muon, "int8")
+    out["torch Muon + AdamW, 8-bit state (moments_dtype int8), NS float32"] = make_inner(gs, muon, "int8")
     return out
 
 
