@@ -277,7 +277,7 @@ def step_side_by_side(ours, opt, ref, reference, steps, rtol, atol):
         torch.testing.assert_close(ours, ref, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("orthogonalise", ["lowrank", "whole"])
+@pytest.mark.parametrize("orthogonalise", ["lowrank", "whole", "split"])
 @pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])
 def test_at_full_rank_omega_one_and_the_identity_basis_it_is_torchs_muon(shape, adjust, orthogonalise):
@@ -512,3 +512,14 @@ def test_the_split_form_refuses_error_feedback_settings_it_cannot_read_as_a_mome
     for options in ({"error_feedback": False}, {"qh_source": "grad"}, {"error_feedback_after_qh": "keep"}):
         with pytest.raises(ValueError, match="orthogonalise='split' keeps the momentum's part outside the basis"):
             LowRankMuon([{"params": [w], "rank": 2}], orthogonalise="split", **options)
+
+
+def test_the_split_form_is_the_default_and_a_setting_it_cannot_read_is_refused_by_name():
+    muon = ['strategy.name="lordo"', 'optim.inner="muon"']
+    assert build_config(overrides=muon).optim.muon_orthogonalise == "split"
+    assert LowRankMuon([nn.Parameter(torch.randn(8, 6))]).muon.orthogonalise == "split"
+    for setting in ('strategy.error_feedback=false', 'strategy.qh_source="grad"', 'strategy.error_feedback_after_qh="keep"'):
+        with pytest.raises(ConfigError, match='optim.muon_orthogonalise = "split".*use optim.muon_orthogonalise = "lowrank"'):
+            build_config(overrides=[*muon, setting])
+        lowrank = build_config(overrides=[*muon, setting, 'optim.muon_orthogonalise="lowrank"'])
+        assert lowrank.optim.muon_orthogonalise == "lowrank"  # the r-dimensional form reads any of them

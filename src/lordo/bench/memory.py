@@ -33,6 +33,7 @@ from .timing import machine
 EARLY_LEAN = ('strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"')
 LEAN4 = ('strategy.memory="lean"', 'strategy.error_feedback_dtype="int4"')
 MUON = ('optim.inner="muon"', 'optim.muon_ns_dtype="float32"')
+LOWRANK_MUON = 'optim.muon_orthogonalise="lowrank"'  # LoRDO's r-dimensional Muon form, the default before the split
 STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ddp + Muon", ('strategy.name="ddp"', *MUON)),
     ("local-adam", ('strategy.name="local-adam"',)),
@@ -46,8 +47,8 @@ STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lowrank-ddp", ('strategy.name="lowrank-ddp"',)),
     ("lowrank-ddp, lean (int8 E, full-rank and low-rank moments)", ('strategy.name="lowrank-ddp"', 'strategy.memory="lean"')),
     ("lordo", ('strategy.name="lordo"',)),
-    ("lordo, LoRDO's Muon form", ('strategy.name="lordo"', *MUON)),
-    ("lordo, LoRDO's Muon form, r = 64", ('strategy.name="lordo"', *MUON, "strategy.rank=64")),
+    ("lordo, LoRDO's Muon form", ('strategy.name="lordo"', *MUON, LOWRANK_MUON)),
+    ("lordo, LoRDO's Muon form, r = 64", ('strategy.name="lordo"', *MUON, LOWRANK_MUON, "strategy.rank=64")),
     ("lordo, Muon form split", ('strategy.name="lordo"', *MUON, 'optim.muon_orthogonalise="split"')),
     ("lordo --lean, Muon form split", ('strategy.name="lordo"', *MUON, 'optim.muon_orthogonalise="split"',
                                        'strategy.memory="lean"')),

@@ -136,11 +136,12 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
 
 
 def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
-    """Muon as ``optim.inner = "muon"`` builds it: LoRDO's Muon form (LowRankMuon at the same rank) and torch's
+    """Muon as ``optim.inner = "muon"`` builds it: LoRDO's r-dimensional Muon form (LowRankMuon at the same rank,
+    ``optim.muon_orthogonalise = "lowrank"``) and torch's
     Muon on the block matrices with AdamW on the rest (ddp's and local-adam's inner optimizer), each with
     Newton–Schulz in bfloat16 (torch's) and in float32 (``optim.muon_ns_dtype``); then, in float32, the Muon form
-    that orthogonalises the split momentum (``optim.muon_orthogonalise = "split"``) and MuonAdamW with its state in
-    8 bits (local-adam + Muon under ``--lean``)."""
+    that orthogonalises the split momentum (``optim.muon_orthogonalise = "split"``, the default) and MuonAdamW with
+    its state in 8 bits (``strategy.moments_dtype = "int8"``)."""
     from ..strategies import make_lowrank_optimizer
     from ..strategies.build import make_inner
 
@@ -148,7 +149,8 @@ def _muon_optimizers(replica: Replica, cfg) -> dict[str, torch.optim.Optimizer]:
     for dtype in ("bfloat16", "float32"):
         muon = dataclasses.replace(cfg.optim, inner="muon", muon_ns_dtype=dtype)
         gs, _, _ = replica()
-        out[f"lordo, Muon form (LowRankMuon), NS {dtype}"] = make_lowrank_optimizer(gs, cfg.strategy, muon,
+        lowrank = dataclasses.replace(muon, muon_orthogonalise="lowrank")  # the r-dimensional form
+        out[f"lordo, Muon form (LowRankMuon), NS {dtype}"] = make_lowrank_optimizer(gs, cfg.strategy, lowrank,
                                                                                    omega=cfg.strategy.omega)
         gs, _, _ = replica()
         out[f"torch Muon + AdamW (MuonAdamW), NS {dtype}"] = make_inner(gs, muon)

@@ -139,6 +139,14 @@ class Config:
             if self.optim.compile_step or self.strategy.lowrank_term != "adam":
                 raise ConfigError("optim.inner = \"muon\" (LoRDO's Muon form, LowRankMuon) runs per matrix with its own "
                                   "low-rank term: leave optim.compile_step = false and strategy.lowrank_term = \"adam\"")
+            s = self.strategy
+            if self.optim.muon_orthogonalise == "split" and not (
+                    s.error_feedback and s.qh_source == "grad+error" and s.error_feedback_after_qh == "remove"):
+                raise ConfigError("optim.muon_orthogonalise = \"split\" (LoRDO's Muon form, the default) keeps the "
+                                  "momentum outside the basis in the error feedback: it needs strategy.error_feedback = "
+                                  "true, strategy.qh_source = \"grad+error\" and strategy.error_feedback_after_qh = "
+                                  "\"remove\" (the defaults); with other settings use optim.muon_orthogonalise = "
+                                  "\"lowrank\" (or \"whole\")")
             return
         if self.strategy.average_moments not in ("auto", "none"):
             raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "

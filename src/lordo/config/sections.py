@@ -164,12 +164,13 @@ class OptimConfig(_Section):
                             "the momentum Newton-Schulz normalised, so the term weighs against the low-rank step as in "
                             "Adam's form) or own (its own RMS: the term's size is fixed at (1 - omega) of the step)",
                             _choice("momentum", "own"))
-    muon_orthogonalise: str = _f("lowrank", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what Newton-Schulz "
-                                 "runs on: lowrank (the r-dimensional momentum; the full-rank term added beside it, "
-                                 "scaled) or whole (the p x q step omega back(N)/|N| + (1 - omega) Q/|Q|, at Muon's own "
-                                 "rate: every direction moves; the state stays low-rank; full-rank Muon's cost per step) or "
-                                 "split (full-rank Muon on the momentum split in two: inside the basis the low-rank momentum, outside it "
-                                 "the error feedback E read as an omega-average; needs the default error feedback)",
+    muon_orthogonalise: str = _f("split", "LoRDO's Muon form (optim.inner = muon, low-rank strategies): what Newton-Schulz "
+                                 "runs on: split (the default: full-rank Muon on the momentum split in two, inside the "
+                                 "basis the low-rank momentum, outside it the error feedback E read as an omega-average; "
+                                 "needs the default error feedback), lowrank (the r-dimensional momentum, the full-rank "
+                                 "term added beside it, scaled: the first form, 1.3x split's perplexity at micro) or whole (the "
+                                 "p x q step omega back(N)/|N| + (1 - omega) Q/|Q|, at Muon's own rate); the state stays "
+                                 "low-rank in each; split and whole cost full-rank Muon's iteration per step",
                                  _choice("lowrank", "whole", "split"))
 
 
