@@ -17,11 +17,25 @@ import torch
 
 
 def machine() -> dict[str, Any]:
+    """What a timing depends on: versions, cores, the CPU's model and whether it has bfloat16 matrix instructions
+    (bfloat16 GEMMs are an order of magnitude slower without them), the GPU."""
     info = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "threads": torch.get_num_threads(), "platform": platform.platform()}
+            "threads": torch.get_num_threads(), "platform": platform.platform(), **_cpu()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def _cpu() -> dict[str, Any]:
+    from ..train.runtime import BF16_MATRIX_FLAGS
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return {}
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    flags = {f for line in lines if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+    return {"cpu": model, "cpu_bf16_matrix": sorted(flags & set(BF16_MATRIX_FLAGS))}
 
 
 def _sync(device: torch.device) -> None:
