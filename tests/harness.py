@@ -50,6 +50,41 @@ def run_strategy(comm, cfg, steps: int, lr: float = 1e-2, dtype: torch.dtype = t
     return [p.detach().clone() for p in models[0].parameters()], comm.ledger.table()
 
 
+def random_steps(params, opt, start: int, n: int, seed_offset: int = 0) -> None:
+    """Steps ``start`` … ``start + n − 1`` of ``opt`` on gradients drawn from each step's own seed."""
+    for t in range(start, start + n):
+        g = torch.Generator().manual_seed(seed_offset + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def resumes_bit_identically(build, steps, saved_check=None, loaded_check=None) -> None:
+    """Six steps straight against three, a ``torch.save`` / ``weights_only`` load into a fresh optimizer (``build``:
+    seed → (params, optimizer), the fresh one on another seed) and three more: every parameter equal. ``steps``:
+    (params, opt, start, n); ``saved_check(saved)`` and ``loaded_check(params, opt)`` look at the file and the load."""
+    params, opt = build(0)
+    steps(params, opt, 0, 6)
+    straight = [p.detach().clone() for p in params]
+    params, opt = build(0)
+    steps(params, opt, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    if saved_check is not None:
+        saved_check(saved)
+    params, opt = build(5)
+    for p, value in zip(params, saved["params"]):
+        p.data.copy_(value)
+    opt.load_state_dict(saved["opt"])
+    if loaded_check is not None:
+        loaded_check(params, opt)
+    steps(params, opt, 3, 3)
+    for a, b in zip(straight, params):
+        assert torch.equal(a, b)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

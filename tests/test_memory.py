@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from lordo.optim import LowRankQHAdam, compact
 from lordo.strategies import build_strategy
 from lordo.strategies.footprint import excluded_storages, storage_key, walk
 
-from harness import VOCAB, batch, strategy_config, tiny_model
+from harness import VOCAB, batch, random_steps, resumes_bit_identically, strategy_config, tiny_model
 
 
 def wider_model() -> GPT:
@@ -81,6 +82,15 @@ def test_every_tensor_a_strategy_holds_is_in_some_worker_s_count():
         assert everything <= counted, (name, overrides, len(everything - counted))
 
 
+def _holding(buffer: torch.Tensor, release) -> Callable[[], float]:
+    """A function that waits for ``release`` and reads ``buffer``: what a round's exchange holds in a closure."""
+    def exchange() -> float:
+        release.wait(10)
+        return float(buffer[0])
+
+    return exchange
+
+
 def test_the_census_finds_what_only_a_thread_holds_and_nothing_else_escapes_the_walks():
     """What a round's exchange thread holds in its frame or a closure no walk reaches; the process's own view (gc)
     does: a hidden buffer shows in the in-flight peak while the thread runs, and with it gone nothing a strategy
@@ -98,11 +108,7 @@ def test_the_census_finds_what_only_a_thread_holds_and_nothing_else_escapes_the_
         # (a rounded anchor keeps its outer optimizer for its settings, over a 4-byte probe parameter)
         assert unreached(strategy, models, before) <= 4, (name, overrides)
         release = threading.Event()
-
-        def exchange(buffer=torch.ones(50_000)):  # a float32 buffer only this thread's frame refers to
-            release.wait(10)
-            return float(buffer[0])
-
+        exchange = _holding(torch.ones(50_000), release)  # a float32 buffer only the thread's closure refers to
         thread = threading.Thread(target=exchange)
         thread.start()
         peak = InFlightPeak(strategy, models, before)
@@ -243,11 +249,7 @@ def _toy(kind: str, seed: int = 0):
 
 
 def _steps(params, opt, start: int, n: int) -> None:
-    for t in range(start, start + n):
-        g = torch.Generator().manual_seed(t)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
+    random_steps(params, opt, start, n)
 
 
 def test_the_first_step_with_compact_state_is_the_float32_step_and_later_ones_stay_close():
@@ -264,24 +266,11 @@ def test_the_first_step_with_compact_state_is_the_float32_step_and_later_ones_st
 
 
 def test_compact_state_is_saved_as_it_is_and_a_resumed_run_is_bit_identical():
-    params, opt = _toy("lean")
-    _steps(params, opt, 0, 6)
-    straight = [p.detach().clone() for p in params]
-    params, opt = _toy("lean")
-    _steps(params, opt, 0, 3)
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    codes = saved["opt"]["state"][0]["error_feedback" + compact.CODES]
-    assert codes.dtype == torch.uint8 and "error_feedback" not in saved["opt"]["state"][0]  # no silent widening
-    params, opt = _toy("lean", seed=5)
-    for p, value in zip(params, saved["params"]):
-        p.data.copy_(value)
-    opt.load_state_dict(saved["opt"])
-    _steps(params, opt, 3, 3)
-    for a, b in zip(straight, params):
-        assert torch.equal(a, b)
+    def no_silent_widening(saved):
+        codes = saved["opt"]["state"][0]["error_feedback" + compact.CODES]
+        assert codes.dtype == torch.uint8 and "error_feedback" not in saved["opt"]["state"][0]
+
+    resumes_bit_identically(lambda seed: _toy("lean", seed=seed), _steps, saved_check=no_silent_widening)
 
 
 def test_a_float32_state_loads_into_a_compact_optimizer_and_back():

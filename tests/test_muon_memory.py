@@ -2,8 +2,6 @@
 opt-in: ``strategy.memory = "lean"`` leaves it off, its gate was missed), against the float32 step whose state is
 rounded in storage, torch's AdamW, a checkpoint round trip and a hand count of the bytes."""
 
-import io
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from lordo.config import build_config
 from lordo.optim import LowRankQHAdam, MuonAdamW, compact
 from lordo.optim.hybrid import PrecisionMuon
 
-from harness import batch, strategy_config, tiny_model
+from harness import batch, random_steps, resumes_bit_identically, strategy_config, tiny_model
 
 
 def _grads(shape, steps, seed=3):
@@ -62,11 +60,7 @@ def _muloco(moments_dtype, seed=0):
 
 
 def _steps(params, opt, start, n):
-    for t in range(start, start + n):
-        g = torch.Generator().manual_seed(100 + t)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
+    random_steps(params, opt, start, n, seed_offset=100)
 
 
 def test_adamws_part_at_8_bits_is_torchs_adamw_first_and_stays_close():
@@ -87,23 +81,10 @@ def test_adamws_part_at_8_bits_is_torchs_adamw_first_and_stays_close():
 
 
 def test_an_8_bit_muloco_state_survives_a_checkpoint_and_resumes_bit_identically():
-    params, opt = _muloco("int8")
-    _steps(params, opt, 0, 6)
-    straight = [p.detach().clone() for p in params]
-    params, opt = _muloco("int8")
-    _steps(params, opt, 0, 3)
-    buf = io.BytesIO()
-    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    params, opt = _muloco("int8", seed=5)
-    for p, value in zip(params, saved["params"]):
-        p.data.copy_(value)
-    opt.load_state_dict(saved["opt"])
-    assert opt.muon.state[params[0]]["momentum_buffer.codes"].dtype == torch.uint8  # torch's load casts; undone
-    _steps(params, opt, 3, 3)
-    for a, b in zip(straight, params):
-        assert torch.equal(a, b)
+    def codes_stay_8_bit(params, opt):  # torch's load casts to the parameter's dtype; undone
+        assert opt.muon.state[params[0]]["momentum_buffer.codes"].dtype == torch.uint8
+
+    resumes_bit_identically(lambda seed: _muloco("int8", seed=seed), _steps, loaded_check=codes_stay_8_bit)
 
 
 def test_a_muon_momentum_loads_into_either_storage_and_adamws_moments_are_refused_across():

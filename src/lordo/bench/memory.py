@@ -114,12 +114,12 @@ def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: in
     if cuda:  # every hosted worker's device state together, against what the allocator holds beyond the models
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated(device) - before
-        hosted: dict[str, int] = {}
+        held: dict[str, int] = {}
         for w in range(len(opt.strategy.workers)):
             for k, v in opt.strategy.measured_state_bytes(w).items():
-                hosted[k] = max(hosted.get(k, 0), v) if k.startswith("anchor") else hosted.get(k, 0) + v
+                held[k] = max(held.get(k, 0), v) if k.startswith("anchor") else held.get(k, 0) + v
         row["cuda_allocated_growth"] = grown
-        row["cuda_measured_hosted"] = _device_bytes(hosted)
+        row["cuda_measured_hosted"] = _device_bytes(held)
     del opt, models
     return row
 

@@ -291,7 +291,8 @@ class StrategyConfig(_Section):
     memory: str = _f("default", "lean: every storage choice that kept perplexity within its gate at 2,000 steps "
                      "(docs/results.md, 'Less memory'): the fields below that are at their defaults become "
                      "anchor_dtype int8, error_feedback_dtype int8, moments_dtype int8 (LoRDO's strategies), "
-                     "lowrank_moments_dtype int8 and compress_residual model, where the strategy has them; default: as each field says", _choice("default", "lean"))
+                     "lowrank_moments_dtype int8 and compress_residual model, where the strategy has them; default: "
+                     "as each field says", _choice("default", "lean"))
     compress_residual: str = _f("buffer", "where what compressing the pseudo-gradient lost waits for the next round "
                                 "(compress_feedback = true): buffer (a float32 buffer per worker, as large as the model) "
                                 "or model (folded into the worker's model after the round: it starts the next round at "

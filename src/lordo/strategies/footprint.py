@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import time
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,7 +92,7 @@ def walk(obj: Any, path: tuple = (), seen: set[int] | None = None) -> Iterator[t
             yield from walk(getattr(obj, slot), (*path, slot), seen)
 
 
-def excluded_storages(models: list[nn.Module], optimizer: torch.optim.Optimizer | None = None) -> set[tuple[str, int]]:
+def excluded_storages(models: Sequence[nn.Module], optimizer: torch.optim.Optimizer | None = None) -> set[tuple[str, int]]:
     """The storages of the models' parameters, their gradients and buffers, and of the parameters the optimizer
     steps: the model's, not the optimizer's (FSDP2 swaps a module's sharded parameters for gathered ones after a
     forward pass, so the optimizer's shards are not always the module's parameters)."""
@@ -121,7 +121,7 @@ def state_category(optimizer: torch.optim.Optimizer, param: torch.Tensor, path: 
     return "full_rank_moments"
 
 
-def measure(held: dict[str, list[Any]], optimizer: torch.optim.Optimizer, models: list[nn.Module],
+def measure(held: dict[str, list[Any]], optimizer: torch.optim.Optimizer, models: Sequence[nn.Module],
             device: torch.device, host_categories: frozenset[str] = frozenset()) -> dict[str, int]:
     """Bytes by category of the optimizer's object and of ``held`` (category → objects to walk), each storage once;
     categories on another device type than ``device``, or named in ``host_categories``, get `` (host)``."""
@@ -181,7 +181,7 @@ def reached(strategy: Any) -> set[tuple[str, int]]:
     return keys
 
 
-def unreached(strategy: Any, models: list[nn.Module], baseline: Iterable[tuple[str, int]]) -> int:
+def unreached(strategy: Any, models: Sequence[nn.Module], baseline: Iterable[tuple[str, int]]) -> int:
     """Bytes the process holds beyond ``baseline`` (what lived before the strategy), the models' parameters,
     gradients and buffers, and every hosted worker's count: what a round's thread holds that no walk reaches."""
     skip = set(baseline) | excluded_storages(models) | reached(strategy)
@@ -192,7 +192,7 @@ class InFlightPeak:
     """The most :func:`unreached` bytes seen while ``busy()`` holds (a round's exchange thread running), sampled
     every ``interval`` seconds, and once more after it (what the round keeps until it lands)."""
 
-    def __init__(self, strategy: Any, models: list[nn.Module], baseline: Iterable[tuple[str, int]]) -> None:
+    def __init__(self, strategy: Any, models: Sequence[nn.Module], baseline: Iterable[tuple[str, int]]) -> None:
         self.strategy, self.models, self.baseline = strategy, models, set(baseline)
         self.peak, self.samples = 0, 0
 
