@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import copy
 import datetime as _dt
+import gc
 import os
 import time
 import weakref
@@ -56,11 +57,13 @@ def destroy_group_at_exit() -> None:
 def _destroy_group_left_open() -> None:
     for comm in list(_COMMUNICATORS):
         comm.settle_round()
+        comm.release_groups()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - never fail at exit
             pass
+    gc.collect()  # the groups' C++ objects (and their gloo threads) go now, not during the interpreter's finalisation
 
 
 def _buckets(tensors) -> list[list[torch.Tensor]]:
@@ -193,6 +196,13 @@ class TorchDistCommunicator(Communicator):
         handle.thread.join(self.timeout.total_seconds() + 5.0)
         return handle.done and handle.error is None
 
+    def release_groups(self) -> None:
+        """Drop this object's references to the process groups it made (the side group of start_round): a group
+        still referenced after ``destroy_process_group`` is destroyed during the interpreter's finalisation, where
+        its gloo threads' teardown can abort the process (``terminate called without an active exception``)."""
+        if self._round is None or self._round.done:
+            self._side = None
+
     @property
     def is_node_main(self) -> bool:
         return int(os.environ.get("LOCAL_RANK", self.rank)) == 0
@@ -275,7 +285,9 @@ class TorchDistCommunicator(Communicator):
                 dist.barrier()
             except Exception:  # a peer died after all: tear down without waiting for it
                 clean = False
+        self.release_groups()
         dist.destroy_process_group()
+        gc.collect()
         if clean:
             self._leave_in_order()
 
