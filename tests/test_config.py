@@ -106,7 +106,7 @@ def test_the_strategys_default_lr_follows_a_strategy_changed_after_building():
     cfg.strategy.name = "ddp"
     validate(cfg)
     assert cfg.optim.lr == 1e-3
-    assert set(asdict(cfg)) == {"model", "data", "optim", "schedule", "train", "strategy", "dist", "comm"}
+    assert set(asdict(cfg)) == {"model", "data", "optim", "schedule", "train", "strategy", "dist", "comm", "switch"}
 
 
 @pytest.mark.parametrize("make, message", [

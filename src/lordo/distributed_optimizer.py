@@ -177,6 +177,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local-update strategies right after a synchronisation (and at the start)."""
         return self.strategy.in_sync
 
+    def switch(self, *, omega: float | None = None, betas: tuple[float, float] | None = None, reset: bool = False,
+               sync_every: int | None = None) -> None:
+        """The second phase of a two-phase run, from the next step, right after a synchronisation: new ``omega``,
+        ``betas``, Adam's moments ``reset``, a new ``sync_every`` (:func:`lordo.phases.switch`)."""
+        from .phases import switch
+
+        switch(self, omega=omega, betas=betas, reset=reset, sync_every=sync_every)
+
     @torch.no_grad()
     def average_into(self, model: nn.Module) -> None:
         """Load into ``model`` (a spare replica of the same architecture) the mean of every worker's current
@@ -241,7 +249,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "other settings: compression, its residual, sync_delay or the lean state)") from None
         if "ledger" in state:
             self.comm.ledger.load_state_dict(state["ledger"])
-        saved_groups = state.get("param_groups", [])
+        # the groups' hyperparameters: as saved, or (a state without them, as lordo train's checkpoints hold it) as the
+        # inner optimizers just loaded them; either way what the next step pushes into them
+        inner = self.strategy.workers[0].optimizer.param_groups
+        saved_groups = state.get("param_groups") or [{k: v for k, v in g.items() if k != "params"} for g in inner]
         if saved_groups and len(saved_groups) != len(self.param_groups):
             raise ValueError(f"state holds {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}")
         for group, saved in zip(self.param_groups, saved_groups):

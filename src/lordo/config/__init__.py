@@ -18,11 +18,12 @@ from .sections import (
     OptimConfig,
     ScheduleConfig,
     StrategyConfig,
+    SwitchConfig,
     TrainConfig,
 )
 
 __all__ = [
     "DEFAULT_LR", "MUON_STRATEGIES", "PRESETS", "SECTIONS", "STRATEGY_NAMES", "CommConfig", "Config", "DataConfig",
-    "DistConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "StrategyConfig", "TrainConfig", "build_config",
+    "DistConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "StrategyConfig", "SwitchConfig", "TrainConfig", "build_config",
     "describe", "load_toml", "parse_override", "tomllib", "validate",
 ]

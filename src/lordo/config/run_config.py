@@ -17,6 +17,7 @@ from .sections import (
     OptimConfig,
     ScheduleConfig,
     StrategyConfig,
+    SwitchConfig,
     TrainConfig,
     outer_settings,
 )
@@ -35,6 +36,7 @@ class Config:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    switch: SwitchConfig = field(default_factory=SwitchConfig)
 
     def __post_init__(self) -> None:
         for section, cls in _section_types().items():
@@ -64,6 +66,7 @@ class Config:
             self._check_torchft()
         if self.dist.shard:
             self._check_shard()
+        self._check_switch()
         if self.schedule.warmup_steps >= self.train.steps and self.schedule.warmup_steps > 0:
             raise ConfigError(
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
@@ -151,6 +154,39 @@ class Config:
         if self.strategy.average_moments not in ("auto", "none"):
             raise ConfigError(f"strategy.average_moments = {self.strategy.average_moments!r} averages Adam moments, which "
                               "Muon's matrices do not have (optim.inner = \"muon\"): use auto or none")
+
+    def _check_switch(self) -> None:
+        """The two-phase protocol (switch.*): what it changes must exist in this run, and it follows a synchronisation."""
+        w, s = self.switch, self.strategy
+        if not w.active:
+            changed = [f.name for f in fields(SwitchConfig) if f.name != "at_step" and getattr(w, f.name) != f.default]
+            if changed:
+                raise ConfigError(f"switch.{changed[0]} is set but switch.at_step = 0 (one phase): set switch.at_step to "
+                                  "the first phase's last step")
+            return
+        if w.at_step >= self.train.steps:
+            raise ConfigError(f"switch.at_step ({w.at_step}) must be smaller than train.steps ({self.train.steps})")
+        for period, name in ((s.sync_every, "strategy.sync_every"), (w.sync_every_before, "switch.sync_every_before")):
+            if period and s.name != "ddp" and w.at_step % period:
+                raise ConfigError(f"switch.at_step ({w.at_step}) must be a multiple of {name} ({period}): the switch "
+                                  "follows a synchronisation")
+        if w.sync_every_before and s.name in ("ddp", "lowrank-ddp"):
+            raise ConfigError(f"switch.sync_every_before sets the local-update strategies' K; {s.name!r} communicates "
+                              "every step (leave it 0)")
+        if w.omega != -1 and s.name not in ("lordo", "lordo-local"):
+            raise ConfigError(f"switch.omega applies to lordo and lordo-local (the strategies with LoRDO's full-rank "
+                              f"term); {s.name!r} has none (leave it -1)")
+        if self.optim.inner == "muon" and (w.beta1 != -1 or w.beta2 != -1 or w.reset_moments):
+            raise ConfigError("switch.beta1, beta2 and reset_moments change Adam's moments; with optim.inner = \"muon\" "
+                              "the matrices hold Muon's momentum: leave them unset")
+        if w.reset_moments and self.optim.compile_step:
+            raise ConfigError("switch.reset_moments does not take optim.compile_step = true (the batched state): leave "
+                              "compile_step false")
+        other = ("strategy.sync_delay > 0 (a round in flight at the switch)" if s.sync_delay else
+                 "dist.backend = \"torchft\"" if self.dist.backend == "torchft" else
+                 "dist.shard = true" if self.dist.shard else None)
+        if other:
+            raise ConfigError(f"switch.at_step > 0 (two phases) is not built with {other}: set switch.at_step = 0")
 
     def _check_torchft(self) -> None:
         """Under torchft each worker decides alone between synchronisations: nothing may make one skip a step

@@ -340,6 +340,42 @@ def outer_settings(s: StrategyConfig) -> tuple[float, float]:
 
 
 
+def _unset_or(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """``check``, with -1 (unset: the first phase's value carries on) allowed too."""
+    def either(v: Any) -> str | None:
+        problem = check(v) if v != -1 else None
+        return f"{problem} (or -1: unchanged)" if problem else None
+
+    return either
+
+
+@dataclass(kw_only=True)
+class SwitchConfig(_Section):
+    """The authors' two-phase protocol (their public launch scripts; SPEC: a warm-up phase, then a resume with
+    new hyperparameters), as one run: the settings below take effect after step ``at_step``."""
+
+    _name = "switch"
+    at_step: int = _f(0, "W: the last step of the first phase; from step W + 1 the fields below hold (the authors' "
+                      "protocol: 2,048, the LR warm-up's length); 0 = one phase. A multiple of strategy.sync_every "
+                      "(and of switch.sync_every_before): the switch follows a synchronisation", _non_negative)
+    sync_every_before: int = _f(0, "K during the first phase (1: synchronise every step); 0 = strategy.sync_every",
+                                _non_negative)
+    omega: float = _f(-1.0, "omega from step W + 1 (lordo, lordo-local; the authors': 0.98, 0.97 at 720M); -1 = "
+                      "strategy.omega", _unset_or(_unit_closed))
+    beta1: float = _f(-1.0, "Adam's beta1 from step W + 1 (the authors': 0.999); -1 = optim.beta1",
+                      _unset_or(_unit_open))
+    beta2: float = _f(-1.0, "Adam's beta2 from step W + 1 (the authors': 0.999); -1 = optim.beta2",
+                      _unset_or(_unit_open))
+    reset_moments: bool = _f(False, "zero both Adam moments and their step counter at the switch, as a freshly built "
+                             "optimizer holds them (the authors' resume); bases and error feedback stay")
+    lr_scale: float = _f(1.0, "the learning rate from step W + 1 is the schedule's times this (the authors': 0.5)",
+                         _positive)
+
+    @property
+    def active(self) -> bool:
+        return self.at_step > 0
+
+
 @dataclass(kw_only=True)
 class DistConfig(_Section):
     _name = "dist"

@@ -52,6 +52,22 @@ class StateAccess:
             return compact.load(state, key, compact_formats(group, p)[key], entry_shapes(group, p)[key])
         return local(state[key]).clone() if key in state else None
 
+    @torch.no_grad()
+    def reset_moments(self) -> None:
+        """Both moments and their step counter zeroed, as a freshly built optimizer holds them (compact ones stored
+        as compact zeros); bases and error feedback stay. The two-phase protocol's reset (``switch.reset_moments``)."""
+        for p, state in self.state.items():
+            group = self._group_of(p)
+            formats, shapes = compact_formats(group, p), entry_shapes(group, p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if is_compact(state, key):
+                    zeros = torch.zeros(shapes[key], device=state[key + compact.CODES].device)
+                    compact.store(state, key, zeros, formats[key], seed=0)
+                elif key in state:
+                    local(state[key]).zero_()
+            if "step" in state:
+                state["step"].zero_()
+
     # ---------------------------------------------------------------------------------------------------
     # error feedback, as strategies read and change it
 

@@ -32,6 +32,7 @@ from ..errors import ConfigError, NonFiniteError, WriteError
 from ..files import atomic_write, write_json
 from ..model import GPT, build_model, format_groups
 from ..optim import fsdp_placement
+from ..phases import Phases
 from .checkpoint import Checkpointer, full_state
 from .memory import check_fits
 from .metrics import MetricsWriter, Progress
@@ -137,6 +138,8 @@ class Trainer(CheckpointMethods):
         self.checkpoints = Checkpointer(out, comm, t.keep_checkpoints)
         self.config_dict = cfg.to_dict()
         self.state = RunState(schedule_steps=t.steps)
+        self.phases = Phases(cfg.switch, cfg.strategy.sync_every)  # two phases in one run (switch.at_step > 0)
+        self.phases.start(self.optimizer, 0)  # the first phase's K; a resume sets its checkpoint's phase
         # fp16 autocast needs loss scaling; the optimizer unscales and skips a step on every worker together
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16-mixed" else None
         self.window = torch.zeros((), device=device)  # this log window's summed loss, read at the log interval
@@ -245,7 +248,10 @@ class Trainer(CheckpointMethods):
         t0 = time.perf_counter()
         # the schedule keeps the length it was laid out for; steps added on resume run at its final lr
         total = self.state.schedule_steps
-        lr = self.cfg.optim.lr * lr_factor(min(step, total) - 1, total, self.cfg.schedule)
+        lr = self.cfg.optim.lr * lr_factor(min(step, total) - 1, total, self.cfg.schedule) * self.phases.lr_scale(step)
+        switched = self.phases.before_step(self.optimizer, step)
+        if switched:
+            self.log(switched)
         try:
             losses = torch.stack([self._forward_backward(forward, sampler) for forward, sampler in zip(self.forwards, self.samplers)])
         except Exception as exc:

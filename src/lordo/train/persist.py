@@ -28,6 +28,7 @@ class CheckpointMethods:
         cfg: Any
         comm: Any
         optimizer: Any
+        phases: Any
         models: list
         samplers: list
         data: Any
@@ -112,6 +113,7 @@ class CheckpointMethods:
         for model, sampler, w in zip(self.models, self.samplers, workers, strict=True):
             load_local_state(model, w["model"])
             sampler.load_state_dict(w["sampler"])
+        self.phases.start(self.optimizer, int(meta["step"]))  # the K of the checkpoint's phase, before its state loads
         mine = workers[0] if "strategy_shared" in workers[0] else {"strategy_shared": shared["strategy"], "ledger": shared["ledger"]}
         self.optimizer.load_state_dict(
             {"shared": mine["strategy_shared"], "workers": [w["strategy"] for w in workers], "ledger": mine["ledger"]})

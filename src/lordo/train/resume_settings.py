@@ -75,6 +75,14 @@ ADDED_FIELDS = {
     ("strategy", "compress_density"): 1 / 64,
     ("strategy", "compress_bits"): 2,
     ("strategy", "compress_fullrank"): "dense",
+    # one phase, as every run was before the two-phase protocol
+    ("switch", "at_step"): 0,
+    ("switch", "sync_every_before"): 0,
+    ("switch", "omega"): -1.0,
+    ("switch", "beta1"): -1.0,
+    ("switch", "beta2"): -1.0,
+    ("switch", "reset_moments"): False,
+    ("switch", "lr_scale"): 1.0,
 }
 
 
