@@ -297,3 +297,32 @@ def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypat
     assert seen["keep"] == {s: v for s, v in plain.items() if s <= 10}
     for merge in screen.MERGES[1:]:
         assert seen[merge][10] != seen["keep"][10], merge
+
+
+def test_race_confirm_trains_over_a_link_until_the_target_beside_the_race_s_composition(tmp_path, data_dir):
+    """benchmarks/race_confirm.py: a simulated sweep run's curve, then the same setting on 2 gloo workers in a
+    throttled namespace stopped at the target. The gloo run's curve is the simulator's (the same steps to the
+    target), the composition is a finite figure beside the measured one, and the namespace is gone afterwards."""
+    import subprocess
+    import sys
+
+    from lordo import link
+
+    if link.unavailable():
+        pytest.skip(link.unavailable())
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"model": {"preset": "nano"}, "train": {"steps": 200, "batch_size": 4, "eval_every": 16},
+                                "schedule": {"warmup_steps": 4}, "strategy": {"sync_every": 8, "rank": 4},
+                                "data": {"dir": str(data_dir)}, "dist": {"workers": 2, "backend": "sim"}}))
+    assert main(["train", "--config", str(base), "--out", str(tmp_path / "sweep")]) == 0
+    out = tmp_path / "confirm.json"
+    done = subprocess.run([sys.executable, "benchmarks/race_confirm.py", "--config", str(base), "--runs",
+                           str(tmp_path / "sweep"), "--rate", "100", "--target", "1500", "--timeout", "300",
+                           "--json", str(out)], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["run_steps_to_target"] == pytest.approx(res["sweep_steps_to_target"], rel=1e-6)
+    assert res["measured_s"] > 0 and res["composed_s"] > 0 and 0 < res["measured_vs_composed"] < 10
+    assert max(step for step, _, _ in res["curve"]) < 200  # stopped at the target, before the run's end
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith(link.PREFIX)]
