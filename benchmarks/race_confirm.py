@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +32,7 @@ from typing import Any
 
 from lordo.bench.race import steps_to
 from lordo.bench.timing import machine
-from lordo.link import ThrottledLink
+from lordo.link import ThrottledLink, end_process_group
 
 
 def rows_of(metrics: Path) -> list[dict[str, Any]]:
@@ -64,8 +62,9 @@ def steady_s_per_step(rows: list[dict[str, Any]], before_step: float) -> float |
 def train_until(argv: list[str], link: ThrottledLink, metrics: Path, target: float, timeout_s: float) -> list[dict[str, Any]]:
     """Run ``argv`` in the namespace until an evaluation reaches ``target`` (then SIGTERM: the workers save and
     stop), the run ends, or ``timeout_s`` passes; returns the metrics rows."""
-    proc = subprocess.Popen(link.command(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    log = metrics.parent.parent / "train.log"  # its stderr, read only if it fails: a pipe left unread could fill
+    with log.open("w") as err:
+        proc = subprocess.Popen(link.command(argv), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -73,14 +72,11 @@ def train_until(argv: list[str], link: ThrottledLink, metrics: Path, target: flo
                 break
             time.sleep(2.0)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end_process_group(proc, grace_s=60.0)
     finally:
         link.end_processes()
+    if proc.returncode not in (0, -15, 143) and not rows_of(metrics):
+        raise SystemExit(f"the run failed (exit {proc.returncode}): {log.read_text()[-2000:]}")
     return rows_of(metrics)
 
 

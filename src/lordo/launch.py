@@ -130,6 +130,8 @@ def _wait(procs: list[subprocess.Popen], names: _Names, received: list[int], pol
             if stop is not None and _all_stopped(procs, grace_s):  # the signal reached every worker (a scheduler)
                 raise Stopped(f"stopped by {stop.name} (sent to the workers): they saved a checkpoint; continue with: "
                               f"{where}", code)
+            if stop is None:  # the others usually fail on their own at once, saying what they saw: let them
+                _let_report(procs, REPORT_S)
             _stop(procs, grace_s)
             if stop is not None:
                 how = f"was stopped by {stop.name} alone"
@@ -139,6 +141,17 @@ def _wait(procs: list[subprocess.Popen], names: _Names, received: list[int], pol
         if all(c == 0 for c in codes):
             return
         time.sleep(poll_s)
+
+
+REPORT_S = 3.0  # how long the others may take to end on their own after a worker failed, before they are stopped
+
+
+def _let_report(procs: list[subprocess.Popen], seconds: float) -> None:
+    """Wait until every process has ended or ``seconds`` have passed: a peer that lost the failed worker in a
+    collective says so in its own line (which worker, where a restart starts), which a SIGTERM would cut short."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
 
 
 def _stop_signal(code: int) -> signal.Signals | None:

@@ -59,6 +59,17 @@ def remove_stale() -> list[str]:
     return removed
 
 
+def end_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session=True``; a launcher forwards it:
+    the workers save and exit), SIGKILL if it is still there after ``grace_s`` seconds."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 class ThrottledLink:
     """``with ThrottledLink(100) as link: subprocess.run(link.command(["lordo", "train", ...]))``.
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 
 from ..comm.ledger import Entry, Ledger
 from ..errors import ConfigError
-from ..link import LinkError, ThrottledLink, unavailable
+from ..link import LinkError, ThrottledLink, end_process_group, unavailable
 
 DEFAULT_VARIANTS = ("ddp", "lordo", "lordo,sync_delay=8", "lordo,compress=int8", "lordo,sync_delay=32,compress=int8")
 EVERY_STEP = ("ddp", "lowrank-ddp")  # strategies that communicate at every step: fewer steps (see --every-step-steps)
@@ -91,12 +90,7 @@ def _run(link: ThrottledLink, argv: list[str], timeout_s: float) -> str | None:
     try:
         _, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        end_process_group(proc)
         return f"stopped after {timeout_s:.0f} s (--timeout)"
     finally:
         link.end_processes()
