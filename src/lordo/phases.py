@@ -104,16 +104,11 @@ class Phases:
         self.cfg, self.sync_every = cfg, sync_every
 
     def start(self, opt: DistributedOptimizer, step: int) -> None:
-        """A run that starts (or resumes) after ``step`` steps: in the first phase, its K; past the switch, the
-        second phase's K (the switched hyperparameters and moments came with the optimizer's state)."""
-        if not self.cfg.active:
-            return
-        strategy: Any = opt.strategy  # the local-update strategies' K
-        if step <= self.cfg.at_step:
-            if self.cfg.sync_every_before:
-                strategy.sync_every = self.cfg.sync_every_before
-        elif hasattr(strategy, "sync_every"):
-            strategy.sync_every = self.sync_every
+        """A run that starts (or resumes) after ``step`` steps takes the K of its phase (the switched
+        hyperparameters and moments come with the optimizer's state)."""
+        if self.cfg.active and self.cfg.sync_every_before:
+            strategy: Any = opt.strategy  # a local-update strategy: the config refuses the others
+            strategy.sync_every = self.cfg.sync_every_before if step <= self.cfg.at_step else self.sync_every
 
     def before_step(self, opt: DistributedOptimizer, step: int) -> str | None:
         """Before step ``step`` (counted from 1): the switch, if this is the first step of the second phase; returns
