@@ -215,10 +215,17 @@ class LowRankMuon(LowRankQHAdam):
         X = back(N) + (1 − ω)·(c + E_after), c = G − back(g), E_after = ω·(A − back(g)), A = G + E_before."""
         m, lr, omega = self.muon, float(group["lr"]), group["omega"]
         if m.orthogonalise == "split":
-            a = self._qh_input(group, state, g, grad, basis, side)
-            rest = grad * (1 - omega) + a * ((1 - omega) * omega)  # (1 − ω)·(G + ω·A), less the basis part below
+            # X = (1 − ω)·(G + ω·A) + back(N − (1 − ω)(1 + ω)·g), with A = factor·F − back(L) as the error feedback
+            # holds it (optim/feedback.py): (1 − ω)·(G + ω·factor·F) + back(N − (1 − ω)((1 + ω)·g + ω·L)), one
+            # full-size pass and one GEMM (A is never formed)
+            full, held, factor = feedback.qh_input(state, g, grad)
             low = n - g * ((1 - omega) * (1 + omega))
-            x = torch.addmm(rest, low, basis.T) if side == Side.RIGHT else torch.addmm(rest, basis, low)
+            if held is not None:
+                low.sub_(held.to(low.dtype), alpha=(1 - omega) * omega)
+            rest = torch.add(grad, full, alpha=omega * factor)  # in the wider of the two dtypes
+            low, basis = low.to(rest.dtype), basis.to(rest.dtype)
+            x = (torch.addmm(rest, low, basis.T, beta=1 - omega) if side == Side.RIGHT
+                 else torch.addmm(rest, basis, low, beta=1 - omega))
         else:
             x = n @ basis.T if side == Side.RIGHT else basis @ n
             if omega < 1:  # ‖back(N)‖ = ‖N‖: the basis is orthonormal
