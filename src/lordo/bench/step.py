@@ -119,6 +119,7 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
         "lordo, int4 E, int8 full-rank moments": {"error_feedback_dtype": "int4", "moments_dtype": "int8"},
         "lordo, lean (int8 E, full-rank and low-rank moments)": {"error_feedback_dtype": "int8", "moments_dtype": "int8",
                                                                  "lowrank_moments_dtype": "int8"},
+        "lordo, lean with fp8 E": {"error_feedback_dtype": "fp8", "moments_dtype": "int8", "lowrank_moments_dtype": "int8"},
     }
     for label, changes in forms.items():
         out[label] = build(dataclasses.replace(cfg.strategy, **changes))

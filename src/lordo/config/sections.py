@@ -299,8 +299,10 @@ class StrategyConfig(_Section):
                                 "θ_new − e, so its next pseudo-gradient carries e; no buffer)", _choice("buffer", "model"))
     error_feedback_dtype: str = _f("float32", "storage of the low-rank projections' error-feedback buffers (the largest "
                                    "state LoRDO keeps): float32, bfloat16 (half), int8 or int4 (8 or 4 bits per element "
-                                   "with a scale per block: about a quarter or an eighth; the step computes in float32)",
-                                   _choice("float32", "bfloat16", "int8", "int4"))
+                                   "with a scale per block: about a quarter or an eighth; the step computes in float32), "
+                                   "or fp8 (e4m3 per block of 256: int8's bytes, encoded without int8's table lookups, "
+                                   "at about twice its rounding error; not gated yet)",
+                                   _choice("float32", "bfloat16", "int8", "int4", "fp8"))
     moments_dtype: str = _f("float32", "storage of the full-rank moments: the full-rank parameters' Adam moments "
                             "(embedding, head, norms) in LoRDO's inner optimizer, and the whole inner optimizer's state "
                             "for ddp, local-adam and diloco (AdamW's moments; with optim.inner = muon, Muon's momentum "

@@ -77,7 +77,7 @@ class StateAccess:
         in first, so that changing it in place (averaging it over workers) changes E; None without one."""
         state = self.state.get(p, {})
         if is_compact(state, "error_feedback"):
-            raise ValueError("this error feedback is held compact (error_feedback_dtype int8 or int4): it cannot be "
+            raise ValueError("this error feedback is held compact (error_feedback_dtype int8, int4 or fp8): it cannot be "
                              "changed in place; read it with error_feedback(p)")
         if state.get("error_feedback") is None:
             return None

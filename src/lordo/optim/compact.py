@@ -23,6 +23,12 @@ the block's scale, are rounded to:
 - ``lin8`` (signed, blocks of 256): 255 evenly spaced values; for weights (the anchor), whose error matters in
   absolute terms (it enters the pseudo-gradient), where even steps are finer than the dynamic map's at the sizes
   most weights have.
+- ``fp8`` (signed, blocks of 256): the 8-bit floating-point format e4m3 (``torch.float8_e4m3fn``: 3 mantissa bits,
+  values to ±448), each block scaled so that its largest magnitude is 448 and rounded to the nearest value by
+  torch's own conversion, with no table and no search: an encoding several times cheaper than the dynamic map's
+  on a CPU, at about twice its error (relative steps of 2⁻³ where the map's top decade has 64 steps; normal values
+  over about 4.5 decades below the block's largest magnitude, the map's over 6). Its codes are stored as
+  ``torch.float8_e4m3fn`` tensors, which tells a saved state's format apart from ``int8``'s; for error feedback.
 
 Tensors below :data:`MIN_COMPACT_NUMEL` elements stay float32 (norm weights, biases: nothing to gain).
 """
@@ -39,7 +45,8 @@ import torch
 
 CODES, SCALE = ".codes", ".scale"
 MIN_COMPACT_NUMEL = 4096
-FORMATS = ("int8", "uint8", "int4", "lin8")
+FORMATS = ("int8", "uint8", "int4", "lin8", "fp8")
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,15 @@ class Format:
     signed: bool
     stochastic: bool = False
     root: bool = False  # store sqrt(x) (x >= 0)
+    float8: bool = False  # codes are e4m3 values (torch.float8_e4m3fn) of the block's elements / scale
 
 
 INT8 = Format("int8", 8, 256, signed=True)
 UINT8 = Format("uint8", 8, 256, signed=False, stochastic=True, root=True)
 INT4 = Format("int4", 4, 64, signed=True)
 LIN8 = Format("lin8", 8, 256, signed=True)
-BY_NAME = {f.name: f for f in (INT8, UINT8, INT4, LIN8)}
+FP8 = Format("fp8", 8, 256, signed=True, float8=True)
+BY_NAME = {f.name: f for f in (INT8, UINT8, INT4, LIN8, FP8)}
 
 
 @functools.cache
@@ -74,7 +83,11 @@ def _dynamic_magnitudes(steps_per_decade: tuple[int, ...]) -> list[float]:
 
 @functools.cache
 def code_book(fmt: Format, device: torch.device) -> torch.Tensor:
-    """The sorted values of ``fmt``'s codes (2**bits of them, float32 on ``device``)."""
+    """The values of ``fmt``'s codes (2**bits of them, float32 on ``device``): sorted, or for ``fp8`` in the order of
+    the codes' bit patterns (its two NaN patterns, never written, read as 0)."""
+    if fmt.float8:
+        patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        return patterns.to(torch.float32).nan_to_num_(0.0).to(device)
     if fmt.bits == 4:
         values = [i / 7 for i in range(-7, 8)] + [0.0]  # 15 levels; the 16th code is a second zero
     elif fmt.name == "lin8":
@@ -154,6 +167,8 @@ def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch
     """(codes uint8, scales float32) of ``x``; ``seed`` makes stochastic rounding reproducible (formats that round
     stochastically need it)."""
     x = x.float()
+    if fmt.float8:
+        return _encode_float8(x)
     if fmt.root:
         x = x.clamp(min=0).sqrt_()  # in place on clamp's copy
     rows = _blocks(x, fmt.block)
@@ -181,11 +196,24 @@ def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch
     return codes, scale
 
 
+def _encode_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8``: each block divided by its largest magnitude / 448 and converted to e4m3 (round to nearest even);
+    the scale stored is that divisor, so a code's value times the scale is the element."""
+    rows = _blocks(x, FP8.block)
+    most, least = rows.amax(dim=1), rows.amin(dim=1)
+    scale = torch.maximum(most, least.neg()).abs_().div_(FP8_MAX)
+    y = rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    codes = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # the clamp: a quotient a rounding above 448
+    return codes.reshape(-1), scale
+
+
 @torch.no_grad()
 def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Format, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """The float32 tensor of ``shape`` that :func:`encode` gave ``codes`` and ``scale`` for."""
     if fmt.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
+    if codes.dtype == torch.float8_e4m3fn:  # by bit pattern: torch's own fp8 conversion is slower than a lookup
+        codes = codes.view(torch.uint8)
     book = code_book(fmt, codes.device)
     rows = book.index_select(0, codes.reshape(-1).to(torch.int32)).view(-1, fmt.block).mul_(scale[:, None])
     x = rows.reshape(-1)[: math.prod(shape)].view(shape)

@@ -95,7 +95,7 @@ def _check_galore_keys(group: dict) -> None:
                          f"matrix (GaLore's 'std'); use proj_type='std' or leave it out")
 
 
-EF_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16, "int8", "int4")
+EF_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16, "int8", "int4", "fp8")
 MOMENTS_DTYPES = (None, "float32", "int8")
 
 
@@ -105,7 +105,7 @@ def _check_storage(group: dict) -> None:
     ef = group.setdefault("error_feedback_dtype", None)
     if ef not in EF_DTYPES:
         raise ValueError(f"error_feedback_dtype must be one of None, torch.float32, torch.float64, torch.bfloat16, "
-                         f"torch.float16, 'int8' or 'int4', got {ef!r}")
+                         f"torch.float16, 'int8', 'int4' or 'fp8', got {ef!r}")
     moments = group.setdefault("moments_dtype", None)
     if moments not in MOMENTS_DTYPES:
         raise ValueError(f"moments_dtype must be None, 'float32' or 'int8' (the full-rank groups' Adam moments), got {moments!r}")

@@ -66,7 +66,7 @@ MOMENT_FORMATS = {"exp_avg": compact.INT8, "exp_avg_sq": compact.UINT8}  # momen
 
 
 def ef_format(group: dict) -> compact.Format | None:
-    """The compact format of ``group``'s error feedback (``error_feedback_dtype`` int8 or int4), else None."""
+    """The compact format of ``group``'s error feedback (``error_feedback_dtype`` int8, int4 or fp8), else None."""
     dtype = group.get("error_feedback_dtype")
     return compact.BY_NAME[dtype] if isinstance(dtype, str) else None
 
@@ -152,11 +152,13 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
                 state[key] = state[key].clone()  # the tensors of the state dict it came from)
                 feedback.settle(state, side_of(p.shape))
             compact.store(state, key, state[key].float(), wanted[key], seed=0)
-        elif key not in wanted and compact.is_compact(state, key):
-            fmt = _saved_format(state, key, group)
+        elif compact.is_compact(state, key) and (key not in wanted or _saved_format(state, key, group) != wanted[key]):
+            fmt = _saved_format(state, key, group)  # expanded, and held again in the format wanted if there is one
             state[key] = compact.load(state, key, fmt, shapes[key])
             state.pop(key + compact.CODES)
             state.pop(key + compact.SCALE)
+            if key in wanted:
+                compact.store(state, key, state[key], wanted[key], seed=0)
     dtype = group.get("error_feedback_dtype")
     if isinstance(dtype, torch.dtype) and isinstance(state.get("error_feedback"), torch.Tensor):
         if state["error_feedback"].dtype != dtype:  # a buffer saved in another precision: into this run's
@@ -166,10 +168,12 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
 
 
 def _saved_format(state: dict, key: str, group: dict) -> compact.Format:
-    """The format of a compact entry, from its key and its codes' size (int8 or int4 error feedback)."""
+    """The format of a compact entry, from its key and its codes' dtype and size (int8, int4 or fp8 error feedback)."""
+    codes, scale = state[key + compact.CODES], state[key + compact.SCALE]
+    if codes.dtype == torch.float8_e4m3fn:
+        return compact.FP8
     if key in MOMENT_FORMATS:
         return MOMENT_FORMATS[key]
-    codes, scale = state[key + compact.CODES], state[key + compact.SCALE]
     return compact.INT4 if codes.numel() * 2 == scale.numel() * compact.INT4.block else compact.INT8
 
 

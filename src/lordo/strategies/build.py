@@ -144,7 +144,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
 
 def ef_dtype(name: str) -> torch.dtype | str:
     """``strategy.error_feedback_dtype`` as LowRankQHAdam takes it: a torch dtype, or a compact format's name."""
-    return name if name in ("int8", "int4") else getattr(torch, name)
+    return name if name in ("int8", "int4", "fp8") else getattr(torch, name)
 
 
 def outer_optimizer(s: StrategyConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
