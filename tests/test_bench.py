@@ -74,6 +74,22 @@ def test_the_memory_benchmark_prints_unless_asked_to_write_and_measures_what_it_
     assert "lordo, LoRDO's Muon form" in names and "lordo, LoRDO's Muon form, r = 64" not in names
 
 
+def test_the_memory_benchmark_measures_the_rows_asked_for_and_names_them_all_when_none_matches(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "int4 anchor", "lordo --lean (int8",
+                 "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"lordo --lean (int8 anchor, E, full-rank and low-rank moments)", "lordo --lean, int4 anchor",
+                         "lordo, lean with int4 E and int4 anchor"}
+    int8, int4 = (rows[n]["by_category"]["anchor"] for n in ("lordo --lean (int8 anchor, E, full-rank and low-rank moments)",
+                                                            "lordo --lean, int4 anchor"))
+    assert int4 < 0.7 * int8  # 0.56 bytes an element against 1.02 for the matrices; small tensors stay float32
+    capsys.readouterr()
+    assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "no such row"]) != 0
+    err = capsys.readouterr().err
+    assert "--rows 'no such row' matches no row" in err and "lordo --lean, int4 anchor" in err
+
+
 def test_host_overhead_benchmark_compares_source_trees(tmp_path):
     """benchmarks/host_overhead.py times each tree in its own process and prints their ratio to the first."""
     import subprocess

@@ -302,7 +302,7 @@ def test_compact_error_feedback_reads_and_forgets():
 # --- the anchor --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "int4"])
 def test_a_rounded_anchor_leaves_the_averaged_model_exact(dtype):
     """With plain averaging the new model is the mean of the workers' models (float64 reference), whatever the
     anchor's rounding: only the kept copy is rounded."""
@@ -321,9 +321,12 @@ def test_a_rounded_anchor_leaves_the_averaged_model_exact(dtype):
     for p, ref in zip(strategy.workers[1].tensors, mean):
         assert torch.allclose(p.double(), ref, rtol=0, atol=8 * torch.finfo(torch.float32).eps * float(ref.abs().max()))
     kept = max(strategy.anchor.tensors, key=lambda a: a[0].numel() if isinstance(a, tuple) else a.numel())
-    assert (kept[0].dtype == torch.uint8) if dtype == "int8" else (kept.dtype == torch.bfloat16)
-    assert strategy.measured_state_bytes()["anchor"] < (0.4 if dtype == "int8" else 0.55) * 4 * sum(
-        t.numel() for t in strategy.workers[0].tensors)
+    assert (kept[0].dtype == torch.uint8) if dtype != "bfloat16" else (kept.dtype == torch.bfloat16)
+    if dtype == "int4":  # two codes a byte and a scale per 64: an eighth of float32's bytes and a sixty-fourth
+        assert kept[0].numel() * 2 == kept[1].numel() * 64
+    bound = {"bfloat16": 0.55, "int8": 0.4, "int4": 0.3}[dtype]  # the tensors under 4,096 elements stay float32
+    assert strategy.measured_state_bytes()["anchor"] < bound * 4 * sum(t.numel() for t in strategy.workers[0].tensors)
+    assert strategy.measured_state_bytes()["anchor"] == strategy.anchor.accounted_bytes()
 
 
 def test_a_rounded_anchor_is_refused_with_an_outer_momentum():
@@ -333,8 +336,9 @@ def test_a_rounded_anchor_is_refused_with_an_outer_momentum():
         build("lordo", overrides=['strategy.error_feedback_dtype="int4"', "strategy.average_error_feedback=true"])
 
 
-def test_a_lean_lordo_checkpoint_resumes_bit_identically():
-    lean = ['strategy.anchor_dtype="int8"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"']
+@pytest.mark.parametrize("anchor", ["int8", "int4"])
+def test_a_lean_lordo_checkpoint_resumes_bit_identically(anchor):
+    lean = [f'strategy.anchor_dtype="{anchor}"', 'strategy.error_feedback_dtype="int8"', 'strategy.moments_dtype="int8"']
     straight, models = build("lordo", overrides=lean, model=wider_model)
     train(straight, models, 5)
     expected = [p.detach().clone() for p in models[0].parameters()]
@@ -344,7 +348,7 @@ def test_a_lean_lordo_checkpoint_resumes_bit_identically():
     torch.save({"models": [m.state_dict() for m in models], "strategy": first.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
-    assert saved["strategy"]["shared"]["anchor_dtype"] == "int8"
+    assert saved["strategy"]["shared"]["anchor_dtype"] == anchor
     second, models = build("lordo", overrides=lean, model=wider_model)
     for m, s in zip(models, saved["models"]):
         m.load_state_dict(s)

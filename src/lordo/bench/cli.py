@@ -47,6 +47,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="comma-separated presets or dMODELxLAYERS shapes (vocabulary 32000 for the latter)")
     m.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; on cuda the allocator's growth is read too)")
     m.add_argument("--no-peers", action="store_true", help="leave out AdamW, 8-bit AdamW and the GaLore peers")
+    m.add_argument("--rows", nargs="+", default=None, metavar="TEXT",
+                   help="only the strategy rows whose name contains one of these texts (e.g. 'int4 anchor' 'lordo --lean "
+                   "('); default: every row")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro", help="model shape preset (default micro)")
     r.add_argument("--steps", type=int, default=64, help="training steps per run (default 64)")
@@ -136,7 +139,8 @@ def main(argv: list[str]) -> int:
                 shapes.append(("micro", int(d), int(layers)))
             else:
                 shapes.append((item, None, None))
-        res = memory_benchmark(shapes, device, peers=not args.no_peers, log=lambda m: print(m, file=sys.stderr, flush=True))
+        res = memory_benchmark(shapes, device, peers=not args.no_peers, log=lambda m: print(m, file=sys.stderr, flush=True),
+                               only=args.rows)
         columns = [("shape", "shape", "s"), ("name", "optimizer", "s"), ("measured_bytes", "measured B", ","),
                    ("accounted_bytes", "accounted B", ","), ("total_vs_adamw", "× AdamW", ".2f"),
                    ("device_vs_adamw", "on device × AdamW", ".2f"), ("peak_vs_adamw", "peak in flight × AdamW", ".2f")]

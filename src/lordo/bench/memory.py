@@ -58,6 +58,8 @@ STRATEGY_ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("lordo --lean, anchor in host memory", ('strategy.name="lordo"', 'strategy.memory="lean"', "strategy.offload_anchor=true")),
     ("lordo, int8 anchor, E, full-rank moments (float32 low-rank moments)", ('strategy.name="lordo"', *EARLY_LEAN)),
     ("lordo, lean with int4 E", ('strategy.name="lordo"', *LEAN4)),
+    ("lordo --lean, int4 anchor", ('strategy.name="lordo"', 'strategy.memory="lean"', 'strategy.anchor_dtype="int4"')),
+    ("lordo, lean with int4 E and int4 anchor", ('strategy.name="lordo"', *LEAN4, 'strategy.anchor_dtype="int4"')),
     ("lordo, lean with int4 E, anchor in host memory", ('strategy.name="lordo"', *LEAN4, "strategy.offload_anchor=true")),
     ("lordo, int4 rounds", ('strategy.name="lordo"', 'strategy.compress="int4"')),
     ("lordo, int4 rounds, sync_delay 1", ('strategy.name="lordo"', 'strategy.compress="int4"', "strategy.sync_delay=1")),
@@ -179,8 +181,15 @@ def peer_row(build: Callable[[], torch.optim.Optimizer], model: nn.Module, vocab
 
 
 def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: torch.device | None = None,
-                     peers: bool = True, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every row at every shape, rank r = d_model/8 (min(p, q)/8 of every block matrix); ``log`` hears of each."""
+                     peers: bool = True, log: Callable[[str], None] = lambda _: None,
+                     only: list[str] | None = None) -> dict[str, Any]:
+    """Every row at every shape, rank r = d_model/8 (min(p, q)/8 of every block matrix); ``log`` hears of each.
+    ``only``: just the strategy rows whose name contains one of these texts (a ConfigError names the rows when none
+    does)."""
+    chosen = [(name, extra) for name, extra in STRATEGY_ROWS if only is None or any(text in name for text in only)]
+    if not chosen:
+        raise ConfigError(f"--rows {' '.join(map(repr, only or []))} matches no row; the rows: "
+                          + "; ".join(name for name, _ in STRATEGY_ROWS))
     from ..model import build_model
 
     device = device or torch.device("cpu")
@@ -206,7 +215,7 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: t
                     log(f"    {name} did not run here: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
                 model.zero_grad(set_to_none=True)
             del model
-        for name, extra in STRATEGY_ROWS:
+        for name, extra in chosen:
             log(f"{label}: {name}")
             try:
                 found.append((name, strategy_row([*overrides, f"strategy.rank={rank}", *extra], vocab, device)))

@@ -253,9 +253,9 @@ class StrategyConfig(Section):
                                          "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "
                                          "float32); Adam's form only", choice("float32", "int8"))
     anchor_dtype: str = setting("float32", "storage of the anchor (the model at the last synchronisation, local-update "
-                                "strategies): float32, bfloat16 or int8 (with plain averaging the new model is computed in "
-                                "float32 and the anchor's rounding never reaches it; docs/concepts.md)",
-                                choice("float32", "bfloat16", "int8"))
+                                "strategies): float32, bfloat16, int8 or int4 (with plain averaging the new model is "
+                                "computed in float32 and the anchor's rounding never reaches it; docs/concepts.md; int4 "
+                                "is not gated yet)", choice("float32", "bfloat16", "int8", "int4"))
     offload_anchor: bool = setting(False, "keep the anchor (the model at the last synchronisation) in host memory, pinned "
                                    "when a GPU is present, instead of on the training device (local-update strategies)")
     sync_buffers: bool = setting(True, "average the models' persistent buffers (BatchNorm statistics, ...) over the workers "
