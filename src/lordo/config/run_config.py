@@ -116,7 +116,7 @@ class Config:
                 raise ConfigError(f"strategy.anchor_dtype = {s.anchor_dtype!r} is exact only with plain averaging "
                                   "(outer_lr = 1, outer_momentum = 0; diloco has 0.7 and 0.9): an outer momentum would carry "
                                   "the anchor's rounding into the model. Use anchor_dtype = \"float32\" there")
-        if s.error_feedback_dtype in ("int8", "int4", "fp8"):
+        if s.error_feedback_dtype not in ("float32", "bfloat16"):  # a compact format (int8, int4, fp8)
             if self.optim.compile_step:
                 raise ConfigError(f"strategy.error_feedback_dtype = {s.error_feedback_dtype!r} steps each matrix alone; "
                                   "optim.compile_step = true compiles the batched step: leave it false")

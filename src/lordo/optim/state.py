@@ -152,9 +152,8 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
                 state[key] = state[key].clone()  # the tensors of the state dict it came from)
                 feedback.settle(state, side_of(p.shape))
             compact.store(state, key, state[key].float(), wanted[key], seed=0)
-        elif compact.is_compact(state, key) and (key not in wanted or _saved_format(state, key, group) != wanted[key]):
-            fmt = _saved_format(state, key, group)  # expanded, and held again in the format wanted if there is one
-            state[key] = compact.load(state, key, fmt, shapes[key])
+        elif compact.is_compact(state, key) and (saved := _saved_format(state, key, group)) != wanted.get(key):
+            state[key] = compact.load(state, key, saved, shapes[key])  # expanded, then held in the format wanted if any
             state.pop(key + compact.CODES)
             state.pop(key + compact.SCALE)
             if key in wanted:

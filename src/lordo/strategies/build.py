@@ -20,7 +20,7 @@ from ..config import DEFAULT_LR, Config, OptimConfig, StrategyConfig
 from ..config.sections import outer_settings
 from ..errors import ConfigError
 from ..model.params import ParamGroup
-from ..optim import LowRankQHAdam
+from ..optim import LowRankQHAdam, compact
 from ..optim.functional import takes_fused_adamw
 from ..optim.hybrid import MuonAdamW
 from ..optim.muon import LowRankMuon
@@ -144,7 +144,7 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
 
 def ef_dtype(name: str) -> torch.dtype | str:
     """``strategy.error_feedback_dtype`` as LowRankQHAdam takes it: a torch dtype, or a compact format's name."""
-    return name if name in ("int8", "int4", "fp8") else getattr(torch, name)
+    return name if name in compact.BY_NAME else getattr(torch, name)
 
 
 def outer_optimizer(s: StrategyConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
