@@ -90,6 +90,31 @@ def test_default_lr_is_the_strategys_tuned_one_and_an_explicit_lr_wins():
         build_config(overrides=["optim.lr=-1"])
 
 
+def test_omega_left_at_minus_one_takes_its_forms_value_and_follows_a_change():
+    """strategy.omega = -1 (the default): 0.95 for lordo with the split Muon form (MUON_OMEGA), the paper's 0.98 for
+    Adam's form, the other Muon forms and lordo-local; resolved again when the form changes after building; a value
+    set by hand stays; config.json holds the resolved number."""
+    from lordo.config import validate
+
+    muon = ['optim.inner="muon"']
+    assert build_config().strategy.omega == 0.98
+    assert build_config(overrides=muon).strategy.omega == 0.95
+    assert build_config(overrides=[*muon, 'optim.muon_orthogonalise="lowrank"']).strategy.omega == 0.98
+    assert build_config(overrides=[*muon, 'strategy.name="lordo-local"']).strategy.omega == 0.98
+    assert build_config(overrides=[*muon, "strategy.omega=0.98"]).strategy.omega == 0.98
+    cfg = build_config(overrides=muon)
+    assert cfg.to_dict()["strategy"]["omega"] == 0.95
+    cfg.optim.inner = "auto"
+    validate(cfg)
+    assert cfg.strategy.omega == 0.98
+    cfg.strategy.omega = 0.9
+    cfg.optim.inner = "muon"
+    validate(cfg)
+    assert cfg.strategy.omega == 0.9
+    with pytest.raises(ConfigError, match=r"strategy.omega must be in \[0, 1\] \(or -1: automatic\), got 1.5"):
+        build_config(overrides=["strategy.omega=1.5"])
+
+
 def test_the_strategys_default_lr_follows_a_strategy_changed_after_building():
     """optim.lr = 0 resolved for lordo (3e-3) is resolved again when the strategy changes and the config is
     validated again (it kept 0.003 for lordo-global-noqh, whose fresh build gives 6e-3); a rate set by hand

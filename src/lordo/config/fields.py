@@ -43,6 +43,15 @@ def choice(*allowed: Any) -> Callable[[Any], str | None]:
     return check
 
 
+def or_minus_one(check: Callable[[Any], str | None], meaning: str) -> Callable[[Any], str | None]:
+    """``check``, with -1 allowed too (``meaning``: what -1 stands for, named in the error)."""
+    def either(v: Any) -> str | None:
+        problem = check(v) if v != -1 else None
+        return f"{problem} (or -1: {meaning})" if problem else None
+
+    return either
+
+
 def setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"help": help, "check": check})

@@ -9,6 +9,8 @@ from typing import Any
 from ..errors import ConfigError
 from .sections import (
     DEFAULT_LR,
+    DEFAULT_OMEGA,
+    MUON_OMEGA,
     MUON_STRATEGIES,
     CommConfig,
     DataConfig,
@@ -57,6 +59,7 @@ class Config:
             )
         if self.strategy.compress in ("sparse", "basis"):
             self._check_sparse()
+        self._resolve("strategy.omega", -1, default_omega(self))  # -1: the form's own
         if self.strategy.memory == "lean":
             self._apply_lean()
         self._check_storage()
@@ -72,14 +75,21 @@ class Config:
                 f"schedule.warmup_steps ({self.schedule.warmup_steps}) must be smaller than train.steps "
                 f"({self.train.steps})"
             )
-        # optim.lr = 0: the strategy's default, resolved again when a built config is validated again after its
-        # strategy changed (unless optim.lr was set meanwhile); an attribute, not a field: not in config.json
-        resolved = getattr(self, "_resolved_lr", None)
-        if self.optim.lr == 0 or (resolved is not None and self.optim.lr == resolved):
-            self.optim.lr = DEFAULT_LR[self.strategy.name]
-            self._resolved_lr: float | None = self.optim.lr
+        # optim.lr = 0: the strategy's default
+        self._resolve("optim.lr", 0, DEFAULT_LR[self.strategy.name])
+
+    def _resolve(self, name: str, unset: float, value: float) -> None:
+        """``name`` (section.field) at ``unset`` takes ``value``, and is resolved again when a built config is
+        validated again after what ``value`` depends on changed (unless the field was set meanwhile); what was
+        resolved is an attribute, not a field: not in config.json."""
+        section, key = name.split(".")
+        obj, mark = getattr(self, section), f"_resolved_{key}"
+        resolved = getattr(self, mark, None)
+        if getattr(obj, key) == unset or (resolved is not None and getattr(obj, key) == resolved):
+            setattr(obj, key, value)
+            setattr(self, mark, value)
         else:
-            self._resolved_lr = None
+            setattr(self, mark, None)
 
     def _check_sparse(self) -> None:
         s = self.strategy
@@ -238,6 +248,14 @@ LEAN: dict[str, tuple[Any, Any]] = {
                               and not c.optim.compile_step),
     "compress_residual": ("model", lambda c: c.strategy.compress != "none"),
 }
+
+
+def default_omega(cfg: Config) -> float:
+    """strategy.omega's value when left at -1: MUON_OMEGA for lordo with LoRDO's split Muon form, else the paper's."""
+    o = cfg.optim
+    if cfg.strategy.name == "lordo" and o.inner == "muon" and o.muon_orthogonalise == "split":
+        return MUON_OMEGA
+    return DEFAULT_OMEGA
 
 
 def _section_types() -> dict[str, type]:

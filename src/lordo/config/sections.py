@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .fields import Section, choice, fraction, non_negative, positive, setting, unit_closed, unit_open
+from .fields import Section, choice, fraction, non_negative, or_minus_one, positive, setting, unit_closed, unit_open
 
 
 @dataclass(kw_only=True)
@@ -163,6 +163,9 @@ class TrainConfig(Section):
 DEFAULT_LR = {"ddp": 3e-3, "local-adam": 3e-3, "diloco": 3e-3, "lordo": 3e-3, "lordo-global-noqh": 6e-3,
               "lordo-local": 3e-3, "lowrank-ddp": 3e-3}  # diloco: local-adam's inner rate, not tuned for it
 STRATEGY_NAMES = tuple(DEFAULT_LR)
+# strategy.omega = -1: Adam's form takes the paper's 0.98; lordo with LoRDO's split Muon form 0.95, ahead of 0.98 at
+# micro and paper-16m on two seeds each (docs/results.md section 13)
+DEFAULT_OMEGA, MUON_OMEGA = 0.98, 0.95
 
 
 @dataclass(kw_only=True)
@@ -188,8 +191,10 @@ class StrategyConfig(Section):
     sync_exp_avg_every: int = setting(0, "period in steps of averaging first moments; 0 = at every sync", non_negative)
     sync_exp_avg_sq_every: int = setting(0, "period in steps of averaging second moments; 0 = at every sync", non_negative)
     rank: int = setting(16, "r: rank of the low-rank moments (1 <= r <= min(p, q) of every low-rank matrix)", positive)
-    omega: float = setting(0.98, "QH weight on the low-rank momentum; 1 - omega goes to the raw full-rank gradient "
-                           "(lordo-global-noqh and lowrank-ddp use 1)", unit_closed)
+    omega: float = setting(-1.0, "QH weight on the low-rank momentum; 1 - omega goes to the raw full-rank gradient "
+                           "(lordo-global-noqh and lowrank-ddp use 1); -1 = the form's own: 0.95 for lordo with LoRDO's "
+                           "split Muon form (optim.inner = muon), 0.98 otherwise (Adam's form, the paper's)",
+                           or_minus_one(unit_closed, "automatic"))
     error_feedback: bool = setting(True, "feed what the projection drops back into the next step's gradient")
     basis_method: str = setting("auto", "how bases are computed at a synchronisation: auto (svd for lordo-local, the paper's "
                                 "LoRDO-Local: each worker's basis afresh from its own gradient; subspace otherwise), subspace "
@@ -282,15 +287,6 @@ def outer_settings(s: StrategyConfig) -> tuple[float, float]:
 
 
 
-def _unset_or(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
-    """``check``, with -1 (unset: the first phase's value carries on) allowed too."""
-    def either(v: Any) -> str | None:
-        problem = check(v) if v != -1 else None
-        return f"{problem} (or -1: unchanged)" if problem else None
-
-    return either
-
-
 @dataclass(kw_only=True)
 class SwitchConfig(Section):
     """The authors' two-phase protocol (their public launch scripts; SPEC: a warm-up phase, then a resume with
@@ -303,11 +299,11 @@ class SwitchConfig(Section):
     sync_every_before: int = setting(0, "K during the first phase (1: synchronise every step); 0 = strategy.sync_every",
                                      non_negative)
     omega: float = setting(-1.0, "omega from step W + 1 (lordo, lordo-local; the authors': 0.98, 0.97 at 720M); -1 = "
-                           "strategy.omega", _unset_or(unit_closed))
+                           "strategy.omega", or_minus_one(unit_closed, "unchanged"))
     beta1: float = setting(-1.0, "Adam's beta1 from step W + 1 (the authors': 0.999); -1 = optim.beta1",
-                           _unset_or(unit_open))
+                           or_minus_one(unit_open, "unchanged"))
     beta2: float = setting(-1.0, "Adam's beta2 from step W + 1 (the authors': 0.999); -1 = optim.beta2",
-                           _unset_or(unit_open))
+                           or_minus_one(unit_open, "unchanged"))
     reset_moments: bool = setting(False, "zero both Adam moments and their step counter at the switch, as a freshly built "
                                   "optimizer holds them (the authors' resume); bases and error feedback stay")
     lr_scale: float = setting(1.0, "the learning rate from step W + 1 is the schedule's times this (the authors': 0.5)",
