@@ -143,14 +143,15 @@ def main(argv: list[str]) -> int:
                                only=args.rows)
         columns = [("shape", "shape", "s"), ("name", "optimizer", "s"), ("measured_bytes", "measured B", ","),
                    ("accounted_bytes", "accounted B", ","), ("total_vs_adamw", "× AdamW", ".2f"),
-                   ("device_vs_adamw", "on device × AdamW", ".2f"), ("peak_vs_adamw", "peak in flight × AdamW", ".2f")]
+                   ("device_vs_adamw", "on device × AdamW", ".2f"), ("peak_vs_adamw", "peak × AdamW", ".2f")]
         if device.type == "cuda":
-            columns += [("cuda_allocated_growth", "allocator growth B", ","), ("cuda_measured_hosted", "measured, both workers B", ",")]
+            columns += [("cuda_allocated_growth", "allocator growth B", ","), ("cuda_measured_hosted", "measured, hosted B", ",")]
         print_table("optimizer state one worker holds, measured from its tensors after real steps (r = min(p, q)/8)",
                     res["rows"], columns)
-        print(f"peak in flight: the measured bytes plus this worker's share of what no walk reaches (a round's exchange "
-              f"thread and closures, sampled while it runs); the codec's tables, once per process: "
-              f"{res['codec_tables_bytes']:,} B")
+        print(f"peak: the most the optimizer and the strategy held at once over a synchronisation and the step after it "
+              f"(where a delayed round lands), every op of the steps and of a round's thread followed (the state before "
+              f"them plus what they allocated, memtrack.py; a peer optimizer's: its second step's); the codec's tables, once "
+              f"per process: {res['codec_tables_bytes']:,} B")
         off = within(res["rows"])
         if off:
             print(f"accounted and measured differ by more than 2 %: {', '.join(off)}", file=sys.stderr)

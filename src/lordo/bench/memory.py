@@ -15,6 +15,7 @@ extra), lordo's ``LowRankQHAdam`` with GaLore's parameter groups (as a GaLore us
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,8 @@ from torch import nn
 from ..config import build_config
 from ..errors import ConfigError
 from ..optim import compact
-from ..strategies.footprint import InFlightPeak, live_storages
+from ..memtrack import PeakTracker
+from ..strategies.footprint import InFlightPeak, excluded_storages, live_storages
 from .step import shape_overrides
 from .timing import machine
 
@@ -85,9 +87,11 @@ def _device_bytes(measured: dict[str, int]) -> int:
 
 
 def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: int = 32) -> dict[str, Any]:
-    """Build the strategy on two simulated workers, step until a synchronisation has happened (and, for a delayed
-    one, while its round is in flight), measure worker 0's share; on a GPU also the allocator's growth."""
-    from ..comm import SimCommunicator
+    """Build the strategy as worker 0 of two in a process of its own (:class:`MirrorCommunicator`: its collectives
+    allocate what torch.distributed's do), step until a synchronisation has happened (and, for a delayed one, while
+    its round is in flight) and measure its state; follow every op of the synchronisation and of the step after it
+    (where a delayed round lands) for the peak; on a GPU also the allocator's growth."""
+    from ..comm.simulated import MirrorCommunicator
     from ..distributed_optimizer import DistributedOptimizer
     from ..model import build_model
 
@@ -95,23 +99,35 @@ def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: in
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    models = [build_model(cfg, vocab).to(device) for _ in range(2)]
+    models = [build_model(cfg, vocab).to(device)]
     before = torch.cuda.memory_allocated(device) if cuda else 0
     baseline = live_storages()  # the models, the codec's tables (made before), whatever the process held
-    opt = DistributedOptimizer(models, cfg, SimCommunicator(2), check_finish=False)
-    steps = 2 if cfg.strategy.sync_delay else 3  # a delayed round is measured in flight; another one after the sync
-    for step in range(steps):
+    opt = DistributedOptimizer(models, cfg, MirrorCommunicator(2), check_finish=False)
+
+    def step(i: int, tracker: PeakTracker | None = None) -> None:
         for rank, model in enumerate(models):
-            model(*_tokens(vocab, seq, step, rank, device))[1].backward()
-        opt.step(lr=1e-3)
+            model(*_tokens(vocab, seq, i, rank, device))[1].backward()
+        with tracker.tracking() if tracker is not None else contextlib.nullcontext():
+            opt.step(lr=1e-3)
+
+    step(0)
+    start = opt.memory_report()["total"]
+    # every op of the optimizer's steps from here (and of a round's exchange thread) is followed: the peak over the
+    # synchronisation and the step after it, where a delayed round (tau = 1) lands
+    tracker = PeakTracker(excluded_storages(models)).begin()
+    step(1, tracker)  # the synchronisation (K = 2)
     # what no walk reaches (a round's thread and closures), sampled while the round's exchange runs and after it
     handle = getattr(getattr(opt.strategy, "in_flight", None), "handle", None)
     hidden = InFlightPeak(opt.strategy, models, baseline).follow(lambda: handle is not None and not handle.done)
-    measured, accounted = opt.memory_report(), opt.accounted_memory()
-    hosted = len(opt.strategy.workers)
+    if cfg.strategy.sync_delay:  # a delayed round is measured in flight
+        measured, accounted = opt.memory_report(), opt.accounted_memory()
+    step(2, tracker)
+    if not cfg.strategy.sync_delay:  # a blocking one after the step that follows it
+        measured, accounted = opt.memory_report(), opt.accounted_memory()
     row = {"measured_bytes": measured["total"], "accounted_bytes": accounted["total"],
            "device_bytes": measured["device_total"], "adamw_bytes": measured["adamw"],
-           "unreached_bytes": hidden, "peak_bytes": measured["total"] + hidden // hosted,
+           "unreached_bytes": hidden, "transient_bytes": tracker.transient,
+           "peak_bytes": max(measured["total"] + hidden, start + tracker.transient),
            "by_category": {k: v for k, v in measured.items() if k not in ("total", "device_total", "adamw")}}
     if cuda:  # every hosted worker's device state together, against what the allocator holds beyond the models
         torch.cuda.synchronize()
@@ -170,14 +186,21 @@ def peer_row(build: Callable[[], torch.optim.Optimizer], model: nn.Module, vocab
     from ..strategies.footprint import measure
 
     opt = build()
+    tracker = None
     for step in range(2):
         model(*_tokens(vocab, seq, step, 0, device))[1].backward()
-        opt.step()
+        with tracker.tracking() if tracker is not None else contextlib.nullcontext():
+            opt.step()
         opt.zero_grad(set_to_none=True)
+        if step == 0:  # the second step's ops followed: its state is made, what it allocates beside it is the peak's
+            start = sum(measure({}, opt, [model], device).values())
+            tracker = PeakTracker(excluded_storages([model], opt)).begin()
+    assert tracker is not None
     measured = measure({}, opt, [model], device)
     adamw = 8 * sum(p.numel() for p in model.parameters())
     return {"measured_bytes": sum(measured.values()), "accounted_bytes": None, "device_bytes": _device_bytes(measured),
-            "adamw_bytes": adamw, "by_category": measured}
+            "adamw_bytes": adamw, "transient_bytes": tracker.transient, "peak_bytes": start + tracker.transient,
+            "by_category": measured}
 
 
 def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: torch.device | None = None,

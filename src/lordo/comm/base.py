@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..memtrack import carry
 from .ledger import Ledger, broadcast_children
 
 TensorLists = Sequence[Sequence[torch.Tensor]]
@@ -34,7 +35,7 @@ class RoundHandle:
         self.error: BaseException | None = None
         self.thread = None
         if fn is not None:
-            self.thread = threading.Thread(target=self._run, args=(fn,), name="lordo-round", daemon=True)
+            self.thread = threading.Thread(target=self._run, args=(carry(fn),), name="lordo-round", daemon=True)
             self.thread.start()
 
     def _run(self, fn: Callable[[], Any]) -> None:

@@ -37,3 +37,52 @@ class SimCommunicator(Communicator):
 
     def barrier(self) -> None:
         pass
+
+
+class MirrorCommunicator(Communicator):
+    """Worker 0 of ``world_size`` alone in this process, the others mirroring it (each sends what it sends): every
+    collective allocates and fills the buffers a torch.distributed process hosting worker 0 would (the same
+    bucketed operations, :class:`~lordo.comm.torch_dist.GroupOps`), with the peers' tensors equal to its own. For
+    measuring what one worker's process holds (``lordo bench memory``), not for training: the averages it gives are
+    worker 0's own values."""
+
+    def __init__(self, world_size: int) -> None:
+        from .torch_dist import GroupOps
+
+        super().__init__(world_size, [0])
+        self.ops = GroupOps(None, list(range(world_size)), self._mirror)
+
+    def _mirror(self, what: str, fn, *args, **kwargs) -> None:
+        """A torch.distributed collective whose every peer passed this process's tensors."""
+        import torch.distributed as dist
+
+        if fn is dist.all_reduce:  # a sum of world_size equal tensors
+            args[0].mul_(self.world_size)
+        elif fn is dist.all_gather:
+            outs, mine = args[0], args[1]
+            for out in outs:
+                out.copy_(mine)
+        elif fn is dist.all_to_all_single:  # every peer sends this process the chunk for worker 0
+            received, sent = args[0], args[1]
+            received.copy_(sent[0].expand_as(received))
+        elif fn is not dist.broadcast:  # a broadcast leaves every peer's equal tensors as they are
+            raise NotImplementedError(f"MirrorCommunicator has no {what}")
+
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        self.ops.all_reduce_mean(per_worker[0])
+
+    @torch.no_grad()
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        return [self.ops.all_gather(per_worker[0])]
+
+    @torch.no_grad()
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        return [self.ops.all_to_all(per_worker[0])]
+
+    @torch.no_grad()
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        self.ops.broadcast(per_worker[0], src)
+
+    def barrier(self) -> None:
+        pass
