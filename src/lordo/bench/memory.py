@@ -25,8 +25,8 @@ from torch import nn
 
 from ..config import build_config
 from ..errors import ConfigError
-from ..optim import compact
 from ..memtrack import PeakTracker
+from ..optim import compact
 from ..strategies.footprint import InFlightPeak, excluded_storages, live_storages
 from .step import shape_overrides
 from .timing import machine
@@ -138,7 +138,6 @@ def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: in
                 held[k] = max(held.get(k, 0), v) if k.startswith("anchor") else held.get(k, 0) + v
         row["cuda_allocated_growth"] = grown
         row["cuda_measured_hosted"] = _device_bytes(held)
-    del opt, models
     return row
 
 

@@ -4,9 +4,7 @@ value against its allowed ones); :class:`~lordo.config.Config` holds them and ch
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import ConfigError
 from .fields import Section, choice, fraction, non_negative, or_minus_one, positive, setting, unit_closed, unit_open
