@@ -408,3 +408,48 @@ def test_a_process_that_leaves_with_a_round_in_flight_ends_without_aborting(tmp_
         assert done.returncode == 0, output[-3000:]
     else:
         assert done.returncode != 0 and "the user's own error" in output, output[-3000:]
+
+
+def test_buckets_are_cut_at_their_byte_limit_and_keep_dtypes_apart(monkeypatch):
+    from lordo.comm import torch_dist
+
+    monkeypatch.setattr(torch_dist, "BUCKET_BYTES", 100)
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(20)]
+    shapes = [[(t.numel(), t.dtype) for t in b] for b in torch_dist._buckets(tensors)]
+    assert shapes == [[(10, torch.float32), (10, torch.float32)], [(30, torch.float32)], [(20, torch.float32)],
+                      [(5, torch.float64)]]
+
+
+def _bucketed_collectives(limit: int):
+    """All-reduce, all-gather and broadcast of mixed tensors, with buckets of at most ``limit`` bytes."""
+    from lordo.comm import torch_dist
+
+    torch_dist.BUCKET_BYTES = limit
+    rank = int(os.environ["RANK"])
+    comm = torch_dist.TorchDistCommunicator("gloo", 60.0)
+    try:
+        gen = torch.Generator().manual_seed(rank)
+        mine = [torch.randn(37, generator=gen), torch.randn(5, 3, generator=gen), torch.randn(9, generator=gen).double()]
+        gathered = comm.all_gather([[t.clone() for t in mine]], "g")[0]
+        averaged = [t.clone() for t in mine]
+        comm.all_reduce_mean([averaged], "r")
+        sent = [t.clone() for t in mine]
+        comm.broadcast([sent], "b", src=1)
+        return gathered, averaged, sent
+    finally:
+        comm.close()
+
+
+def test_small_buckets_give_what_one_bucket_gives_over_gloo():
+    """The synchronisation's flat buffers are cut into buckets (BUCKET_BYTES): the same results as one bucket."""
+    whole = run_gloo(_bucketed_collectives, 2, 1 << 24)
+    cut = run_gloo(_bucketed_collectives, 2, 64)
+    assert all(status == "ok" for status, _ in [*whole.values(), *cut.values()]), (whole, cut)
+    for rank in range(2):
+        for a, b in zip(whole[rank][1], cut[rank][1], strict=True):
+            flat_a = [t for x in a for t in (x if isinstance(x, list) else [x])]
+            flat_b = [t for x in b for t in (x if isinstance(x, list) else [x])]
+            for s, t in zip(flat_a, flat_b, strict=True):
+                assert s.dtype == t.dtype and torch.equal(s, t)
+    gathered = cut[0][1][0]
+    assert [len(row) for row in gathered] == [3, 3] and torch.equal(gathered[1][0], cut[1][1][0][1][0])

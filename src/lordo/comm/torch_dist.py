@@ -66,12 +66,26 @@ def _destroy_group_left_open() -> None:
     gc.collect()  # the groups' C++ objects (and their gloo threads) go now, not during the interpreter's finalisation
 
 
+BUCKET_BYTES = 1 << 24  # the most one flat buffer of a collective holds (a larger tensor goes alone)
+
+
 def _buckets(tensors) -> list[list[torch.Tensor]]:
-    """Tensors grouped by dtype and device: one flat buffer per group goes through each collective."""
-    buckets: dict = {}
+    """Tensors grouped by dtype and device, each group cut where it would pass BUCKET_BYTES: one flat buffer per
+    bucket goes through each collective, so a synchronisation's copies stay that size, not the model's."""
+    groups: dict = {}
     for t in tensors:
-        buckets.setdefault((t.dtype, t.device), []).append(t)
-    return list(buckets.values())
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    out: list[list[torch.Tensor]] = []
+    for group in groups.values():
+        size = BUCKET_BYTES
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if size + nbytes > BUCKET_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(t)
+            size += nbytes
+    return out
 
 
 class GroupOps:
