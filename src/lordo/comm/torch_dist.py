@@ -106,6 +106,7 @@ class GroupOps:
             self.run("all_reduce", dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.group)
             flat /= self.size
             _unflatten(flat, bucket)
+            del flat  # before the next bucket's: one flat buffer at a time
 
     @torch.no_grad()
     def all_gather(self, tensors) -> list[list[torch.Tensor]]:
@@ -120,6 +121,7 @@ class GroupOps:
                 for t in bucket:
                     result[member][index[id(t)]] = out[offset : offset + t.numel()].view_as(t)
                     offset += t.numel()
+            del flat, outs
         return [[t for t in row if t is not None] for row in result]
 
     @torch.no_grad()
@@ -135,6 +137,7 @@ class GroupOps:
             flat = torch.cat([t.reshape(-1) for t in bucket])
             self.run("broadcast", dist.broadcast, flat, src=self.ranks[src], group=self.group)
             _unflatten(flat, bucket)
+            del flat
 
 
 def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
