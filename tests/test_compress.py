@@ -2,6 +2,7 @@
 feedback, and the bf16 error-feedback buffer."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -234,3 +235,60 @@ def test_add_shard_adds_exactly_the_owners_span_of_the_padded_layout(owner):
             if 8 * owner <= flat < 8 * owner + 8:
                 expected[i] += values[flat - 8 * owner]
         assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("codec", [BlockCodec(8, 256), BlockCodec(4, 128), BlockCodec(log=True)], ids=lambda c: c.name)
+def test_a_span_decoded_alone_equals_the_same_span_of_the_whole_vector(codec):
+    """decode_span reads only the blocks that hold the span: the same values as decoding every shard (a round held
+    as codes is landed tensor by tensor from it)."""
+    from lordo.comm.codec import decode_shards, decode_span
+
+    shard = codec.block * 5
+    gen = torch.Generator().manual_seed(0)
+    sources = [[codec.encode(torch.randn(shard, generator=gen).abs())] for _ in range(3)]
+    whole = decode_shards(sources, shard, codec)
+    rng = random.Random(0)
+    spans = [(0, 3 * shard), (shard - 1, shard + 1), (5, 5), (2 * shard, 3 * shard)]
+    spans += [tuple(sorted((rng.randrange(3 * shard + 1), rng.randrange(3 * shard + 1)))) for _ in range(100)]
+    for a, b in spans:
+        assert torch.equal(decode_span(sources, shard, codec, a, b), whole[a:b]), (a, b)
+
+
+def test_a_round_encoded_shard_by_shard_from_lazy_tensors_and_landed_tensor_by_tensor_is_the_whole_vectors():
+    """shard_payloads over a sequence that computes each tensor when read gives the list's payloads byte for byte,
+    and CodedTensors gives back what decoding the whole vector and scattering it gives (tensors straddle shards)."""
+    from lordo.comm.codec import decode_shards, scatter_into, shard_payloads
+    from lordo.strategies.delayed import CodedTensors
+
+    codec, world = BlockCodec(4, 128), 3
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(shape, generator=gen) for shape in [(33, 7), (300,), (5, 64), (1,), (129, 3)]]
+    reads: list[int] = []
+
+    class Lazy:
+        numels = [t.numel() for t in tensors]
+        device = tensors[0].device
+
+        def __len__(self):
+            return len(tensors)
+
+        def __getitem__(self, i):
+            reads.append(i)
+            return tensors[i].clone()
+
+    shard = shard_numel(padded_numel([t.shape for t in tensors], codec), world, codec)
+    eager = shard_payloads(tensors, world, shard, codec)
+    lazy = shard_payloads(Lazy(), world, shard, codec)
+    assert all(torch.equal(a, b) for a, b in zip(eager, lazy, strict=True))
+    assert sorted(set(reads)) == list(range(len(tensors)))
+    sources = [[p] for p in eager]
+    expected = [torch.empty_like(t) for t in tensors]
+    scatter_into(expected, decode_shards(sources, shard, codec), codec.block)
+    coded = CodedTensors(sources, [t.shape for t in tensors], shard, codec)
+    assert len(coded) == len(tensors)
+    for i, want in enumerate(expected):
+        assert torch.equal(coded[i], want) and torch.equal(coded[i - len(coded)], want)
+    with pytest.raises(IndexError):
+        coded[len(coded)]
+    with pytest.raises(TypeError, match="one tensor at a time"):
+        coded[0:2]

@@ -92,8 +92,15 @@ class BlockCodec:
         return _as_bytes(flat[0::2] | (flat[1::2] << 4), scale)
 
     def decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
-        codes, meta = buf[: self.code_bytes(numel)], buf[self.code_bytes(numel):].view(torch.float32)
-        nblocks = numel // self.block
+        return self.decode_blocks(buf, numel, 0, numel // self.block)
+
+    def decode_blocks(self, buf: torch.Tensor, numel: int, lo: int, hi: int) -> torch.Tensor:
+        """Blocks ``lo`` to ``hi`` − 1 of a payload of ``numel`` elements, decoded alone: equal to
+        ``decode(buf, numel)[lo * block:hi * block]``."""
+        per, meta_bytes = self.code_bytes(self.block), 8 if self.log else 4
+        codes = buf[lo * per:hi * per]
+        meta = buf[self.code_bytes(numel) + lo * meta_bytes:self.code_bytes(numel) + hi * meta_bytes].view(torch.float32)
+        nblocks = hi - lo
         if self.log:
             return dequantize_log_int8_rows(codes.view(torch.int8).reshape(nblocks, self.block), meta.reshape(nblocks, 2)).reshape(-1)
         if self.bits == 8:
@@ -182,7 +189,11 @@ def _sharded_average(comm: Communicator, per_worker: TensorLists, tag: str, code
 def shard_payloads(tensors: Sequence[torch.Tensor], world: int, shard: int, codec: BlockCodec,
                    residuals: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """One worker's tensors (plus ``residuals``) laid out flat and cut into ``world`` shards of ``shard``
-    elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost."""
+    elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost. Without
+    residuals each shard is laid out and encoded alone (one shard's float32 copy at a time, and each tensor read
+    where it overlaps that shard: ``tensors`` may compute each one as it is read)."""
+    if not residuals:
+        return [codec.encode(_padded_span(tensors, j * shard, (j + 1) * shard, codec.block)) for j in range(world)]
     flat = gather_padded(tensors, world * shard, codec.block)
     if residuals:
         flat += gather_padded(residuals, world * shard, codec.block)
@@ -229,6 +240,22 @@ def decode_shards(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: 
     return torch.cat([codec.decode(src[0], shard) for src in sources])
 
 
+def decode_span(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: BlockCodec, start: int, stop: int) -> torch.Tensor:
+    """Elements ``start`` to ``stop`` − 1 of that vector (``decode_shards(...)[start:stop]``), decoding only the
+    blocks that hold them."""
+    parts, pos, block = [], start, codec.block
+    while pos < stop:
+        j = pos // shard
+        end = min(stop, (j + 1) * shard)
+        lo, hi = (pos - j * shard) // block, math.ceil((end - j * shard) / block)
+        skip = pos - j * shard - lo * block
+        parts.append(codec.decode_blocks(sources[j][0], shard, lo, hi)[skip:skip + end - pos])
+        pos = end
+    if not parts:
+        return torch.zeros(0, device=sources[0][0].device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:
     """The tensors as one float32 vector of ``length``, each starting at a block boundary, zeros between."""
     flat = torch.zeros(length, dtype=torch.float32, device=tensors[0].device)
@@ -237,6 +264,22 @@ def gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> t
         flat[offset:offset + t.numel()] = t.reshape(-1)
         offset += math.ceil(t.numel() / block) * block
     return flat
+
+
+def _padded_span(tensors: Sequence[torch.Tensor], lo: int, hi: int, block: int) -> torch.Tensor:
+    """Elements ``lo`` to ``hi`` − 1 of :func:`gather_padded`'s vector of ``tensors`` (read only where they overlap
+    the span; their sizes from the sequence's ``numels`` where it has them, else from the tensors)."""
+    numels = getattr(tensors, "numels", None) or [t.numel() for t in tensors]
+    out, offset = None, 0
+    for i, n in enumerate(numels):
+        start, end = max(lo, offset), min(hi, offset + n)
+        if start < end:
+            t = tensors[i]
+            if out is None:
+                out = torch.zeros(hi - lo, dtype=torch.float32, device=t.device)
+            out[start - lo:end - lo] = t.reshape(-1)[start - offset:end - offset]
+        offset += math.ceil(n / block) * block
+    return out if out is not None else torch.zeros(hi - lo, device=getattr(tensors, "device", None) or tensors[0].device)
 
 
 def scatter_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> None:

@@ -140,10 +140,14 @@ class Anchor:
     @torch.no_grad()
     def own(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """θ_anchor − t for each tensor, as new tensors (a round sent without blocking keeps what it sent)."""
-        return [self.decoded(i, t.device) - t if self.keep[i] else torch.zeros_like(t) for i, t in enumerate(tensors)]
+        return [self.own_one(i, t) for i, t in enumerate(tensors)]
+
+    def own_one(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """θ_anchor − t of tensor ``i`` (zeros where the anchor keeps no copy)."""
+        return self.decoded(i, t.device) - t if self.keep[i] else torch.zeros_like(t)
 
     @torch.no_grad()
-    def step(self, delta: Sequence[torch.Tensor], workers: Lists, own: Lists | None = None) -> None:
+    def step(self, delta: Sequence[torch.Tensor], workers: Lists, own: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
         """The outer step with the averaged pseudo-gradient ``delta``; then each worker's tensors (``workers``) hold
         θ_new (``own`` None: they held their Δ_m), or, for a round that landed late, their own steps since on top:
         θ_m += Δ_m + (θ_new − θ_anchor), ``own[m]`` = Δ_m."""
@@ -161,10 +165,11 @@ class Anchor:
                     tensors[i].add_(own[w][i]).sub_(d)
             self._store(i, new)
 
-    def _step_outer(self, delta: Sequence[torch.Tensor], workers: Lists, own: Lists | None) -> None:
+    def _step_outer(self, delta: Sequence[torch.Tensor], workers: Lists, own: Sequence[Sequence[torch.Tensor]] | None) -> None:
         if own is not None:
             for tensors, mine in zip(workers, own, strict=True):
-                torch._foreach_add_(tensors, mine)
+                for t, m in zip(tensors, mine, strict=True):  # one at a time: ``mine`` may be decoded as it is read
+                    t.add_(m)
                 self._add_to(tensors, -1.0)
         for a, d in zip(self.tensors, delta, strict=True):
             a.grad = d if d.device == a.device else d.to(a.device)

@@ -163,7 +163,10 @@ class Strategy(ABC):
         """The 2-norm of ``tensors`` (worker 0's, ordered like its parameters) over the whole model: for a
         sharded model, the sum of the squares over the worker's ranks (a collective inside the worker)."""
         if not any(is_sharded(p) for p in self.workers[0].params):
-            return float(torch.nn.utils.get_total_norm(list(tensors)))
+            if isinstance(tensors, list):
+                return float(torch.nn.utils.get_total_norm(tensors))
+            norms = [torch.linalg.vector_norm(t) for t in tensors]  # read one at a time (a round held as codes)
+            return float(torch.linalg.vector_norm(torch.stack(norms)))
         squares = [t.float().pow(2).sum() for t in tensors]
         sum_over_shards(self.workers[0].params, squares)
         return float(sum(float(s) for s in squares)) ** 0.5

@@ -24,13 +24,15 @@ landing. The two float32 copies of the model's size become two of the codec's (a
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..comm.base import Communicator, RoundHandle
-from ..comm.codec import BlockCodec, average, decode_shards, exchange_shards, padded_numel, scatter_into, shard_numel, shard_payloads
+from ..comm.codec import BlockCodec, average, decode_span, exchange_shards, padded_numel, shard_numel, shard_payloads
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -77,7 +79,7 @@ class Overlapped(Protocol):
 
     def restore_round_input(self, value: Any) -> None: ...
 
-    def apply_round(self, delta: list[torch.Tensor], own: Lists | None = None) -> dict[str, float]:
+    def apply_round(self, delta: Sequence[torch.Tensor], own: Sequence[Sequence[torch.Tensor]] | None = None) -> dict[str, float]:
         """The averaged pseudo-gradient arrived: bases, outer step, new replicas (``own``: a late landing's Δ_m)."""
         ...
 
@@ -93,8 +95,8 @@ class CodedDeltas:
 
     @classmethod
     @torch.no_grad()
-    def encode(cls, own: Lists, codec: BlockCodec, world: int) -> CodedDeltas:
-        shapes = [t.shape for t in own[0]]
+    def encode(cls, own: Sequence[AnchorDeltas], codec: BlockCodec, world: int) -> CodedDeltas:
+        shapes = own[0].shapes
         shard = shard_numel(padded_numel(shapes, codec), world, codec)
         return cls(codec, shapes, [shard_payloads(mine, world, shard, codec) for mine in own])
 
@@ -107,18 +109,76 @@ class CodedDeltas:
         self.received = exchange_shards(comm, self.sent, f"{tag}_{self.codec.name}", self.codec, self.shard,
                                         shard_residuals)
 
-    def _tensors(self, sources: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        out = [torch.empty(shape, device=sources[0][0].device) for shape in self.shapes]
-        scatter_into(out, decode_shards(sources, self.shard, self.codec), self.codec.block)
-        return out
+    def own(self) -> list[CodedTensors]:
+        """Each hosted worker's Δ as sent (x − e), each tensor decoded when it is read."""
+        return [CodedTensors([[b] for b in mine], self.shapes, self.shard, self.codec) for mine in self.sent]
 
-    def own(self) -> Lists:
-        """Each hosted worker's Δ as sent (x − e)."""
-        return [self._tensors([[b] for b in mine]) for mine in self.sent]
-
-    def mean(self, h: int) -> list[torch.Tensor]:
+    def mean(self, h: int) -> CodedTensors:
         assert self.received is not None, "the round has not arrived"
-        return self._tensors(self.received[h])
+        return CodedTensors(self.received[h], self.shapes, self.shard, self.codec)
+
+
+class CodedTensors(Sequence[torch.Tensor]):
+    """The tensors of a round's flat vector (:func:`~lordo.comm.codec.shard_payloads`' layout) held as its shards'
+    payloads: tensor ``i`` is decoded from the blocks that hold it each time it is read, so a landing holds one
+    tensor's float32 values at a time, never the whole vector (the same values as decoding it whole)."""
+
+    def __init__(self, sources: list[list[torch.Tensor]], shapes: list[torch.Size], shard: int, codec: BlockCodec) -> None:
+        self.sources, self.shapes, self.shard, self.codec = sources, shapes, shard, codec
+        self.starts: list[int] = []
+        start = 0
+        for shape in shapes:
+            self.starts.append(start)
+            start += math.ceil(math.prod(shape) / codec.block) * codec.block
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def __getitem__(self, i):
+        if not isinstance(i, int):
+            raise TypeError(f"CodedTensors is read one tensor at a time, by an int index, not {type(i).__name__}")
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        start = self.starts[i]
+        span = decode_span(self.sources, self.shard, self.codec, start, start + math.prod(self.shapes[i]))
+        return span.view(self.shapes[i])
+
+
+class AnchorDeltas(Sequence[torch.Tensor]):
+    """A worker's pseudo-gradient θ_anchor − θ_m, each tensor computed when it is read (a round encoded shard by
+    shard never holds the whole float32 Δ)."""
+
+    def __init__(self, anchor: Anchor, tensors: Sequence[torch.Tensor]) -> None:
+        self.anchor, self.tensors = anchor, tensors
+        self.shapes = [t.shape for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+        self.device = tensors[0].device
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, i):
+        return self.anchor.own_one(i, self.tensors[i])
+
+
+def pick(tensors: Sequence[torch.Tensor], index: Sequence[int]) -> Sequence[torch.Tensor]:
+    """``tensors[i]`` for each ``i`` of ``index``: a list where ``tensors`` is one, else a view that reads each when
+    it is read (a round held as codes stays decoded one tensor at a time)."""
+    if isinstance(tensors, list):
+        return [tensors[i] for i in index]
+    return _Picked(tensors, list(index))
+
+
+class _Picked(Sequence[torch.Tensor]):
+    def __init__(self, tensors: Sequence[torch.Tensor], positions: list[int]) -> None:
+        self.tensors, self.positions = tensors, positions
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, k):
+        return self.tensors[self.positions[k]]
 
 
 @dataclass
@@ -131,12 +191,13 @@ class RoundInFlight:
     handle: RoundHandle | None = None  # None once the exchange has arrived
     coded: CodedDeltas | None = None  # the pseudo-gradients as codes instead of ``own`` and ``mean``
 
-    def own_deltas(self) -> Lists:
-        """Each hosted worker's pseudo-gradient as it sent it."""
+    def own_deltas(self) -> Sequence[Sequence[torch.Tensor]]:
+        """Each hosted worker's pseudo-gradient as it sent it (read one tensor at a time when held as codes)."""
         return self.coded.own() if self.coded is not None else self.own
 
-    def mean_delta(self) -> list[torch.Tensor]:
-        """The round's averaged pseudo-gradient (hosted worker 0's copy)."""
+    def mean_delta(self) -> Sequence[torch.Tensor]:
+        """The round's averaged pseudo-gradient (hosted worker 0's copy; read one tensor at a time when held as
+        codes)."""
         return self.coded.mean(0) if self.coded is not None else self.mean[0]
 
     def wait(self) -> None:
@@ -190,7 +251,6 @@ class RoundInFlight:
 def start_round(s: Overlapped, moment_keys: tuple[str, ...]) -> RoundInFlight:
     """Start strategy ``s``'s synchronisation behind the next steps: its exchange handed to the communicator, what
     the landing needs kept (as codes where ``s.coded_rounds()``)."""
-    own = [s.anchor.own(w.tensors) for w in s.workers]
     moments = {}
     for key in moment_keys:
         sent = s.worker_moment_copies(key)
@@ -198,10 +258,14 @@ def start_round(s: Overlapped, moment_keys: tuple[str, ...]) -> RoundInFlight:
             moments[key] = (sent, [[m.clone() for m in ms] for ms in sent])
     codecs, fold = s.codecs, s.fold_residuals
     shard_residuals = [w.shard_residual for w in s.workers if w.shard_residual is not None] or None
-    if s.coded_rounds():  # the float32 Δ let go once encoded
-        coded: CodedDeltas | None = CodedDeltas.encode(own, codecs["pseudo_gradient"], s.comm.world_size)
-        own, mean, residuals = [], [], []
+    own: Lists = []
+    if s.coded_rounds():  # each shard's Δ computed and encoded alone: the float32 Δ never whole
+        deltas = [AnchorDeltas(s.anchor, w.tensors) for w in s.workers]
+        coded: CodedDeltas | None = CodedDeltas.encode(deltas, codecs["pseudo_gradient"], s.comm.world_size)
+        mean: Lists = []
+        residuals: Lists = []
     else:
+        own = [s.anchor.own(w.tensors) for w in s.workers]
         coded, mean, residuals = None, [[d.clone() for d in mine] for mine in own], s.round_residuals()
 
     def exchange(comm: Communicator) -> None:  # the blocking round's collectives, in its order

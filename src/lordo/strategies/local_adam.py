@@ -107,7 +107,7 @@ class LocalUpdateStrategy(MomentAveraging, Strategy):
         self.synced_at = 0  # the step of the last synchronisation (0: the replicas start equal)
         # called with each averaged pseudo-gradient as it arrives, before the strategy acts on it (bases, outer
         # step): a benchmark or a diagnostic that wants the rounds' Δ; must not change it
-        self.round_observers: list[Callable[[list[torch.Tensor]], None]] = []
+        self.round_observers: list[Callable[[Sequence[torch.Tensor]], None]] = []
         if compression_residual not in RESIDUALS:
             raise ConfigError(f"compression_residual must be one of {', '.join(RESIDUALS)}, got {compression_residual!r}")
         # what compressing the pseudo-gradient lost: in buffers until the next round adds it, or folded into each
@@ -150,7 +150,7 @@ class LocalUpdateStrategy(MomentAveraging, Strategy):
         """Hook: runs after backward, before any local optimizer step (gradients are in ``.grad``)."""
         return {}
 
-    def after_average(self, delta: list[torch.Tensor]) -> dict[str, float]:
+    def after_average(self, delta: Sequence[torch.Tensor]) -> dict[str, float]:
         """Hook: runs at a sync with the averaged pseudo-gradient ``delta`` (ordered like the anchor), before
         the outer step."""
         return {}
@@ -260,7 +260,8 @@ class LocalUpdateStrategy(MomentAveraging, Strategy):
         return [w.residuals for w in self.workers]
 
     @torch.no_grad()
-    def apply_round(self, delta: list[torch.Tensor], own: list[list[torch.Tensor]] | None = None) -> dict[str, float]:
+    def apply_round(self, delta: Sequence[torch.Tensor],
+                    own: Sequence[Sequence[torch.Tensor]] | None = None) -> dict[str, float]:
         """The averaged pseudo-gradient ``delta`` arrived: bases (``after_average``), outer step, new replicas.
         ``own``: each worker's pseudo-gradient of a round that landed late; the workers then keep their local
         steps since (θ_m += θ_new − θ_anchor + Δ_m) instead of restarting from θ_new."""

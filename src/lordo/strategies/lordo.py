@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..optim import LowRankQHAdam
 from ..optim.subspace import side_of
 from .basis import BasisPolicy, GlobalBasis, error_feedback_ratio, residual_energy
+from .delayed import pick
 from .local_adam import LocalUpdateStrategy
 
 
@@ -170,9 +171,9 @@ class LoRDOStrategy(LocalUpdateStrategy):
         self.basis.give_round_input(value)
 
     @torch.no_grad()
-    def after_average(self, delta: list[torch.Tensor]) -> dict[str, float]:
+    def after_average(self, delta: Sequence[torch.Tensor]) -> dict[str, float]:
         opt0, low0 = self.optimizer(0), self.lowrank(0)
-        delta_low = [delta[i] for i in self.lowrank_index]
+        delta_low = pick(delta, self.lowrank_index)  # a round held as codes: decoded one matrix at a time
         # worker 0's error feedback against the weights it belongs to (the anchor: the parameters hold Δ now)
         ef_ratio = error_feedback_ratio(opt0, low0, self.anchor_weights(self.lowrank_index))
         stats = {"residual_energy": residual_energy(delta_low, opt0, low0) or 0.0}
