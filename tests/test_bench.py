@@ -84,6 +84,8 @@ def test_the_memory_benchmark_measures_the_rows_asked_for_and_names_them_all_whe
     int8, int4 = (rows[n]["by_category"]["anchor"] for n in ("lordo --lean (int8 anchor, E, full-rank and low-rank moments)",
                                                             "lordo --lean, int4 anchor"))
     assert int4 < 0.7 * int8  # 0.56 bytes an element against 1.02 for the matrices; small tensors stay float32
+    assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "=lordo", "--json", str(out)]) == 0
+    assert [r["name"] for r in json.loads(out.read_text())["rows"]] == ["lordo"]  # '=': that name alone
     capsys.readouterr()
     assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "no such row"]) != 0
     err = capsys.readouterr().err

@@ -49,7 +49,7 @@ def make_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-peers", action="store_true", help="leave out AdamW, 8-bit AdamW and the GaLore peers")
     m.add_argument("--rows", nargs="+", default=None, metavar="TEXT",
                    help="only the strategy rows whose name contains one of these texts (e.g. 'int4 anchor' 'lordo --lean "
-                   "('); default: every row")
+                   "('), or is a text after '=' ('=lordo': that row alone); default: every row")
     r = sub.add_parser("runs", help="memory, peak RSS, tokens/s and bytes per step of every strategy (short runs)")
     r.add_argument("--preset", default="micro", help="model shape preset (default micro)")
     r.add_argument("--steps", type=int, default=64, help="training steps per run (default 64)")

@@ -202,13 +202,17 @@ def peer_row(build: Callable[[], torch.optim.Optimizer], model: nn.Module, vocab
             "by_category": measured}
 
 
+def _picks(text: str, name: str) -> bool:
+    return name == text[1:] if text.startswith("=") else text in name
+
+
 def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: torch.device | None = None,
                      peers: bool = True, log: Callable[[str], None] = lambda _: None,
                      only: list[str] | None = None) -> dict[str, Any]:
     """Every row at every shape, rank r = d_model/8 (min(p, q)/8 of every block matrix); ``log`` hears of each.
-    ``only``: just the strategy rows whose name contains one of these texts (a ConfigError names the rows when none
-    does)."""
-    chosen = [(name, extra) for name, extra in STRATEGY_ROWS if only is None or any(text in name for text in only)]
+    ``only``: just the strategy rows whose name contains one of these texts, or is one after a leading ``=`` (a
+    ConfigError names the rows when none does)."""
+    chosen = [(name, extra) for name, extra in STRATEGY_ROWS if only is None or any(_picks(text, name) for text in only)]
     if not chosen:
         raise ConfigError(f"--rows {' '.join(map(repr, only or []))} matches no row; the rows: "
                           + "; ".join(name for name, _ in STRATEGY_ROWS))
