@@ -190,7 +190,7 @@ def test_memory_by_category():
 @pytest.mark.parametrize("override, message", [
     ("strategy.rank=17", r"strategy.rank must be in \[1, 16\] for blocks.0.attn.q.weight \(16, 16\)"),
     ("strategy.rank=0", r"strategy.rank must be > 0, got 0"),
-    ("strategy.omega=1.2", r"strategy.omega must be in \[0, 1\], got 1.2"),
+    ("strategy.omega=1.2", r"strategy.omega must be in \[0, 1\] \(or -1: automatic\), got 1.2"),
     ("strategy.sync_every=0", r"strategy.sync_every must be > 0, got 0"),
     ("strategy.lowrank_pattern=nothing_matches", r"matches no 2-D parameter"),
     ("strategy.lowrank_pattern=\"(\"", r"strategy.lowrank_pattern is not a valid regular expression"),
