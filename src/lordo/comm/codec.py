@@ -179,27 +179,25 @@ def _sharded_average(comm: Communicator, per_worker: TensorLists, tag: str, code
     chunks = [shard_payloads(tensors, comm.world_size, shard, codec, residuals[h] if residuals else None)
               for h, tensors in enumerate(per_worker)]
     gathered = exchange_shards(comm, chunks, tag, codec, shard, shard_residuals)
-    results: dict[int, torch.Tensor] = {}  # the simulator hands every hosted worker the same list
-    for tensors, sources in zip(per_worker, gathered):
-        if id(sources) not in results:
-            results[id(sources)] = decode_shards(sources, shard, codec)
-        scatter_into(tensors, results[id(sources)], codec.block)
+    for tensors, sources in zip(per_worker, gathered):  # shard by shard: one shard's float32 values at a time
+        for j, src in enumerate(sources):
+            _write_span(tensors, codec.decode(src[0], shard), j * shard, codec.block)
 
 
 def shard_payloads(tensors: Sequence[torch.Tensor], world: int, shard: int, codec: BlockCodec,
                    residuals: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """One worker's tensors (plus ``residuals``) laid out flat and cut into ``world`` shards of ``shard``
-    elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost. Without
-    residuals each shard is laid out and encoded alone (one shard's float32 copy at a time, and each tensor read
-    where it overlaps that shard: ``tensors`` may compute each one as it is read)."""
-    if not residuals:
-        return [codec.encode(_padded_span(tensors, j * shard, (j + 1) * shard, codec.block)) for j in range(world)]
-    flat = gather_padded(tensors, world * shard, codec.block)
-    if residuals:
-        flat += gather_padded(residuals, world * shard, codec.block)
-    encoded = [codec.encode(flat[j * shard:(j + 1) * shard]) for j in range(world)]
-    if residuals:  # what the first encoding lost stays with this worker
-        scatter_into(residuals, flat - decode_shards([[b] for b in encoded], shard, codec), codec.block)
+    elements, each encoded: shard j goes to worker j. ``residuals`` are set to what the encoding lost. Each shard
+    is laid out and encoded alone (one shard's float32 copy at a time; each tensor read where it overlaps that
+    shard, so ``tensors`` may compute each one as it is read)."""
+    encoded = []
+    for j in range(world):
+        x = _padded_span(tensors, j * shard, (j + 1) * shard, codec.block)
+        if residuals:
+            x += _padded_span(residuals, j * shard, (j + 1) * shard, codec.block)
+        encoded.append(codec.encode(x))
+        if residuals:  # what the first encoding lost stays with this worker
+            _write_span(residuals, x - codec.decode(encoded[-1], shard), j * shard, codec.block)
     return encoded
 
 
@@ -226,12 +224,21 @@ def exchange_shards(comm: Communicator, chunks: list[list[torch.Tensor]], tag: s
 def add_shard(tensors: Sequence[torch.Tensor], values: torch.Tensor, owner: int, world: int, block: int) -> None:
     """Add ``values`` (shard ``owner`` of the flat layout of :func:`shard_payloads`, of ``world`` shards) to the
     elements of ``tensors`` that shard was cut from."""
-    lo, hi = owner * values.numel(), (owner + 1) * values.numel()
-    offset = 0
-    for t in tensors:  # only the spans that overlap the shard, in place (no copy of the model)
+    _write_span(tensors, values, owner * values.numel(), block, add=True)
+
+
+def _write_span(tensors: Sequence[torch.Tensor], values: torch.Tensor, lo: int, block: int, add: bool = False) -> None:
+    """Copy (or add) ``values``, elements ``lo`` … of the flat layout (:func:`_padded_span`), into the tensors'
+    spans they overlap, in place (no copy of the model)."""
+    hi, offset = lo + values.numel(), 0
+    for t in tensors:
         start, end = max(lo, offset), min(hi, offset + t.numel())
         if start < end:
-            t.view(-1)[start - offset:end - offset] += values[start - lo:end - lo]
+            span = t.view(-1)[start - offset:end - offset]
+            if add:
+                span += values[start - lo:end - lo]
+            else:
+                span.copy_(values[start - lo:end - lo])
         offset += math.ceil(t.numel() / block) * block
 
 
@@ -256,19 +263,10 @@ def decode_span(sources: Sequence[Sequence[torch.Tensor]], shard: int, codec: Bl
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def gather_padded(tensors: Sequence[torch.Tensor], length: int, block: int) -> torch.Tensor:
-    """The tensors as one float32 vector of ``length``, each starting at a block boundary, zeros between."""
-    flat = torch.zeros(length, dtype=torch.float32, device=tensors[0].device)
-    offset = 0
-    for t in tensors:
-        flat[offset:offset + t.numel()] = t.reshape(-1)
-        offset += math.ceil(t.numel() / block) * block
-    return flat
-
-
 def _padded_span(tensors: Sequence[torch.Tensor], lo: int, hi: int, block: int) -> torch.Tensor:
-    """Elements ``lo`` to ``hi`` − 1 of :func:`gather_padded`'s vector of ``tensors`` (read only where they overlap
-    the span; their sizes from the sequence's ``numels`` where it has them, else from the tensors)."""
+    """Elements ``lo`` to ``hi`` − 1 of the flat layout of ``tensors`` (each padded with zeros to whole blocks, one
+    after the other; read only where they overlap the span; their sizes from the sequence's ``numels`` where it has
+    them, else from the tensors)."""
     numels = getattr(tensors, "numels", None) or [t.numel() for t in tensors]
     out, offset = None, 0
     for i, n in enumerate(numels):
@@ -280,11 +278,3 @@ def _padded_span(tensors: Sequence[torch.Tensor], lo: int, hi: int, block: int) 
             out[start - lo:end - lo] = t.reshape(-1)[start - offset:end - offset]
         offset += math.ceil(n / block) * block
     return out if out is not None else torch.zeros(hi - lo, device=getattr(tensors, "device", None) or tensors[0].device)
-
-
-def scatter_into(tensors: Sequence[torch.Tensor], flat: torch.Tensor, block: int) -> None:
-    """The inverse of :func:`gather_padded`: copy each tensor's span of ``flat`` into it."""
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += math.ceil(t.numel() / block) * block
