@@ -72,13 +72,17 @@ def residual_energy(matrices: Sequence[torch.Tensor], optimizer: LowRankQHAdam, 
 def error_feedback_ratio(opt: LowRankQHAdam, params: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> float | None:
     """Mean over low-rank matrices of ‖E‖/‖W‖ (None without error feedback): watches E's growth. For sharded
     matrices, ``weights`` are this rank's shards and the norms are summed over the worker's ranks."""
-    held = [(p, e, w) for p, w in zip(params, weights, strict=True) if (e := opt.error_feedback(p)) is not None]
+    held, errors, sizes = [], [], []
+    for p, w in zip(params, weights, strict=True):
+        e = opt.error_feedback(p)  # a copy where E is deferred or compact: one matrix's at a time
+        if e is not None:
+            held.append(p)
+            errors.append(e.float().pow(2).sum())
+            sizes.append(w.float().pow(2).sum())
     if not held:
         return None
-    errors = [e.float().pow(2).sum() for _, e, _ in held]
-    sizes = [w.float().pow(2).sum() for _, _, w in held]
-    sum_over_shards([p for p, _, _ in held], errors)
-    sum_over_shards([p for p, _, _ in held], sizes)
+    sum_over_shards(held, errors)
+    sum_over_shards(held, sizes)
     ratios = [float(e) ** 0.5 / max(float(w) ** 0.5, 1e-12) for e, w in zip(errors, sizes)]
     return sum(ratios) / len(ratios)
 
