@@ -174,6 +174,36 @@ def test_an_optimizer_a_user_brings_is_measured_as_it_is():
 # --- compact storage ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "lin8", "fp8", "uint8"])
+def test_a_large_tensor_is_coded_a_chunk_at_a_time_into_the_same_codes_and_values(name, monkeypatch):
+    """Blocks are coded alone, so encoding (rounding to the nearest code) and decoding CODEC_CHUNK elements at a
+    time gives the codes, scales and values of one pass over the whole tensor, and a float64 reference of the decode
+    (book[code] x scale); a stochastic format (uint8) codes its tensor in one pass (its random draws)."""
+    from lordo.memtrack import PeakTracker
+
+    fmt = compact.BY_NAME[name]
+    x = (torch.randn(64 * 1024 + 70, generator=torch.Generator().manual_seed(0)) * 1e-2)
+    x = x.abs() if fmt.root else x
+    one_pass = PeakTracker().begin()
+    with one_pass.tracking():
+        whole = compact.encode(x, fmt, seed=3)
+    monkeypatch.setattr(compact, "CODEC_CHUNK", 256)
+    tracker = PeakTracker().begin()
+    with tracker.tracking():
+        chunked = compact.encode(x, fmt, seed=3)
+    assert torch.equal(whole[0].view(torch.uint8), chunked[0].view(torch.uint8)) and torch.equal(whole[1], chunked[1])
+    if not fmt.stochastic:  # a chunk's temporaries beside the codes: under one float32 copy, a fraction of one pass's
+        assert tracker.transient < 0.75 * 4 * x.numel() and tracker.transient < one_pass.transient / 3
+    values = compact.decode(*chunked, fmt, x.shape)
+    codes = chunked[0].view(torch.uint8).reshape(-1)
+    if fmt.bits == 4:
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
+    book = compact.code_book(fmt, x.device).double()
+    expected = (book[codes.long()].view(-1, fmt.block) * chunked[1].double()[:, None]).reshape(-1)[: x.numel()]
+    expected = expected.square() if fmt.root else expected
+    torch.testing.assert_close(values.double(), expected, rtol=1e-6, atol=0)
+
+
 def test_codes_come_back_within_each_format_s_step():
     x = torch.randn(10_240, generator=torch.Generator().manual_seed(0)) * 0.03
     for fmt, bound in ((compact.INT8, 0.0072), (compact.LIN8, 1 / 254), (compact.INT4, 1 / 14)):

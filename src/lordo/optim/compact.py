@@ -45,6 +45,7 @@ import torch
 
 CODES, SCALE = ".codes", ".scale"
 MIN_COMPACT_NUMEL = 4096
+CODEC_CHUNK = 1 << 20  # elements encoded (rounded to the nearest code) or looked up at once: a multiple of every block
 FORMATS = ("int8", "uint8", "int4", "lin8", "fp8")
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
@@ -165,8 +166,17 @@ def _count_below(y: torch.Tensor, fmt: Format, stochastic: bool) -> torch.Tensor
 @torch.no_grad()
 def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, scales float32) of ``x``; ``seed`` makes stochastic rounding reproducible (formats that round
-    stochastically need it)."""
+    stochastically need it). A format that rounds to the nearest code encodes a large tensor :data:`CODEC_CHUNK`
+    elements at a time (blocks are encoded alone: the same codes), so its temporaries stay that size."""
     x = x.float()
+    if fmt.stochastic or x.numel() <= CODEC_CHUNK:
+        return _encode(x, fmt, seed)
+    flat = x.reshape(-1)
+    parts = [_encode(flat[i:i + CODEC_CHUNK], fmt, seed) for i in range(0, flat.numel(), CODEC_CHUNK)]
+    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _encode(x: torch.Tensor, fmt: Format, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt.float8:
         return _encode_float8(x)
     if fmt.root:
@@ -214,8 +224,11 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Format, shape: torch.S
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
     if codes.dtype == torch.float8_e4m3fn:  # by bit pattern: torch's own fp8 conversion is slower than a lookup
         codes = codes.view(torch.uint8)
-    book = code_book(fmt, codes.device)
-    rows = book.index_select(0, codes.reshape(-1).to(torch.int32)).view(-1, fmt.block).mul_(scale[:, None])
+    book, codes = code_book(fmt, codes.device), codes.reshape(-1)
+    values = torch.empty(codes.numel(), device=codes.device)
+    for i in range(0, codes.numel(), CODEC_CHUNK):  # the int32 indices a chunk at a time
+        torch.index_select(book, 0, codes[i:i + CODEC_CHUNK].to(torch.int32), out=values[i:i + CODEC_CHUNK])
+    rows = values.view(-1, fmt.block).mul_(scale[:, None])
     x = rows.reshape(-1)[: math.prod(shape)].view(shape)
     return x.square_() if fmt.root else x
 
