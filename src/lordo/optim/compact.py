@@ -45,7 +45,7 @@ import torch
 
 CODES, SCALE = ".codes", ".scale"
 MIN_COMPACT_NUMEL = 4096
-CODEC_CHUNK = 1 << 20  # elements encoded (rounded to the nearest code) or looked up at once: a multiple of every block
+CODEC_CHUNK = 1 << 18  # elements encoded (rounded to the nearest code) or looked up at once: a multiple of every block
 FORMATS = ("int8", "uint8", "int4", "lin8", "fp8")
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 
@@ -186,24 +186,34 @@ def _encode(x: torch.Tensor, fmt: Format, seed: int | None) -> tuple[torch.Tenso
     # updated in place (amax and amin apart: torch.aminmax over a dimension is an order of magnitude slower on a CPU)
     most, least = rows.amax(dim=1), rows.amin(dim=1)
     scale = torch.maximum(most, least.neg()).abs_()  # abs_: +0 for an all-zero block
-    y = rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
+    divisor = scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
     if fmt.stochastic:
         if seed is None:
             raise ValueError(f"format {fmt.name} rounds stochastically: give a seed")
-        book = code_book(fmt, x.device)
-        upper = _count_below(y, fmt, stochastic=True).clamp_(1, book.numel() - 1).reshape(-1)
-        index = upper.to(torch.int32)
-        lo = _book_below(fmt, x.device).index_select(0, index).view_as(y)  # book[index - 1]
-        gap = book.index_select(0, index).view_as(y).sub_(lo)
         gen = torch.Generator(device=x.device).manual_seed(seed)
-        take_hi = gap.mul_(torch.rand(y.shape, generator=gen, device=x.device)) < y.sub_(lo)
-        codes = upper.view_as(y).sub_((~take_hi).view(torch.uint8))
+        noise = torch.rand(rows.shape, generator=gen, device=x.device)  # the tensor's draws, as one
+        codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
+        step = CODEC_CHUNK // fmt.block  # the rest a chunk of blocks at a time (the same codes)
+        for i in range(0, rows.shape[0], step):
+            codes[i:i + step] = _round_stochastically(rows[i:i + step] / divisor[i:i + step], noise[i:i + step], fmt)
     else:
-        codes = _count_below(y, fmt, stochastic=False)
+        codes = _count_below(rows / divisor, fmt, stochastic=False)
     codes = codes.reshape(-1)
     if fmt.bits == 4:
         codes = codes[0::2] | (codes[1::2] << 4)
     return codes, scale
+
+
+def _round_stochastically(y: torch.Tensor, noise: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Codes of ``y`` (in the book's range) rounded up with probability its distance from the code below over the
+    gap, ``noise`` uniform in [0, 1)."""
+    book = code_book(fmt, y.device)
+    upper = _count_below(y, fmt, stochastic=True).clamp_(1, book.numel() - 1).reshape(-1)
+    index = upper.to(torch.int32)
+    lo = _book_below(fmt, y.device).index_select(0, index).view_as(y)  # book[index - 1]
+    gap = book.index_select(0, index).view_as(y).sub_(lo)
+    take_hi = gap.mul_(noise) < y.sub_(lo)
+    return upper.view_as(y).sub_((~take_hi).view(torch.uint8))
 
 
 def _encode_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
