@@ -105,8 +105,8 @@ class BlockCodec:
             return dequantize_log_int8_rows(codes.view(torch.int8).reshape(nblocks, self.block), meta.reshape(nblocks, 2)).reshape(-1)
         if self.bits == 8:
             return dequantize_int8_rows(codes.view(torch.int8).reshape(nblocks, self.block), meta).reshape(-1)
-        q = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(nblocks, self.block).to(torch.float32) - 8
-        return (q * meta[:, None]).reshape(-1)
+        q = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(nblocks, self.block).to(torch.float32)
+        return q.sub_(8).mul_(meta[:, None]).reshape(-1)  # in place: one float32 copy of the payload
 
 
 def dense_codecs(compress: str) -> dict[str, AnyCodec]:
@@ -193,11 +193,12 @@ def shard_payloads(tensors: Sequence[torch.Tensor], world: int, shard: int, code
     encoded = []
     for j in range(world):
         x = _padded_span(tensors, j * shard, (j + 1) * shard, codec.block)
-        if residuals:
-            x += _padded_span(residuals, j * shard, (j + 1) * shard, codec.block)
+        if residuals:  # added span by span into the shard's copy
+            _write_span(residuals, x, j * shard, codec.block, read_into=True)
         encoded.append(codec.encode(x))
         if residuals:  # what the first encoding lost stays with this worker
-            _write_span(residuals, x - codec.decode(encoded[-1], shard), j * shard, codec.block)
+            lost = codec.decode(encoded[-1], shard).neg_().add_(x)  # x − decoded, in the decoded copy
+            _write_span(residuals, lost, j * shard, codec.block)
     return encoded
 
 
@@ -227,18 +228,22 @@ def add_shard(tensors: Sequence[torch.Tensor], values: torch.Tensor, owner: int,
     _write_span(tensors, values, owner * values.numel(), block, add=True)
 
 
-def _write_span(tensors: Sequence[torch.Tensor], values: torch.Tensor, lo: int, block: int, add: bool = False) -> None:
+def _write_span(tensors: Sequence[torch.Tensor], values: torch.Tensor, lo: int, block: int, add: bool = False,
+                read_into: bool = False) -> None:
     """Copy (or add) ``values``, elements ``lo`` … of the flat layout (:func:`_padded_span`), into the tensors'
-    spans they overlap, in place (no copy of the model)."""
+    spans they overlap, in place (no copy of the model); ``read_into``: the other way, the tensors' spans added to
+    ``values``."""
     hi, offset = lo + values.numel(), 0
     for t in tensors:
         start, end = max(lo, offset), min(hi, offset + t.numel())
         if start < end:
-            span = t.view(-1)[start - offset:end - offset]
-            if add:
-                span += values[start - lo:end - lo]
+            span, part = t.view(-1)[start - offset:end - offset], values[start - lo:end - lo]
+            if read_into:
+                part += span
+            elif add:
+                span += part
             else:
-                span.copy_(values[start - lo:end - lo])
+                span.copy_(part)
         offset += math.ceil(t.numel() / block) * block
 
 

@@ -34,7 +34,7 @@ def quantize_int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def dequantize_int8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 tensor of q's shape: q · s_row."""
-    return (_rows(q).float() * scale[:, None]).reshape(q.shape)
+    return _rows(q).float().mul_(scale[:, None]).reshape(q.shape)  # in place on the float copy
 
 
 ZERO_CODE = -128
