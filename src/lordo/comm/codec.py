@@ -217,7 +217,7 @@ def exchange_shards(comm: Communicator, chunks: list[list[torch.Tensor]], tag: s
             mean += shard_residuals[h]
         sent = codec.encode(mean)
         if shard_residuals is not None:  # what the second encoding lost stays with the shard's owner
-            shard_residuals[h].copy_(mean - codec.decode(sent, shard))
+            shard_residuals[h].copy_(mean).sub_(codec.decode(sent, shard))  # no third copy of the shard
         mine.append([sent])
     return comm.all_gather(mine, tag=tag)
 
