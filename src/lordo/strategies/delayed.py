@@ -18,7 +18,9 @@ the exchange (not for the landing), so a checkpoint holds an arrived round and a
 A block-coded round (int8, int4) whose compression residual is folded into the model (``compress_residual =
 "model"``) is held as codes (:class:`CodedDeltas`): what a worker sent is x − e, exactly the Δ_m a late landing
 keeps, so the worker keeps its sent payloads, and the mean as the payloads that arrive; both are decoded at the
-landing. The two float32 copies of the model's size become two of the codec's (an eighth of them at int4).
+landing, one tensor at a time (:class:`CodedTensors`), and the round is encoded shard by shard from Δ computed one
+tensor at a time (:class:`AnchorDeltas`). The two float32 copies of the model's size become two of the codec's (an
+eighth of them at int4), and no float32 copy of the whole model is made on either side.
 """
 
 from __future__ import annotations
