@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .base import Communicator, TensorLists
+from .torch_dist import GroupOps, OneWorkerCollectives
 
 
 class SimCommunicator(Communicator):
@@ -39,7 +40,7 @@ class SimCommunicator(Communicator):
         pass
 
 
-class MirrorCommunicator(Communicator):
+class MirrorCommunicator(OneWorkerCollectives, Communicator):
     """Worker 0 of ``world_size`` alone in this process, the others mirroring it (each sends what it sends): every
     collective allocates and fills the buffers a torch.distributed process hosting worker 0 would (the same
     bucketed operations, :class:`~lordo.comm.torch_dist.GroupOps`), with the peers' tensors equal to its own. For
@@ -47,8 +48,6 @@ class MirrorCommunicator(Communicator):
     worker 0's own values."""
 
     def __init__(self, world_size: int) -> None:
-        from .torch_dist import GroupOps
-
         super().__init__(world_size, [0])
         self.ops = GroupOps(None, list(range(world_size)), self._mirror)
 
@@ -67,22 +66,6 @@ class MirrorCommunicator(Communicator):
             received.copy_(sent[0].expand_as(received))
         elif fn is not dist.broadcast:  # a broadcast leaves every peer's equal tensors as they are
             raise NotImplementedError(f"MirrorCommunicator has no {what}")
-
-    @torch.no_grad()
-    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
-        self.ops.all_reduce_mean(per_worker[0])
-
-    @torch.no_grad()
-    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
-        return [self.ops.all_gather(per_worker[0])]
-
-    @torch.no_grad()
-    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
-        return [self.ops.all_to_all(per_worker[0])]
-
-    @torch.no_grad()
-    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
-        self.ops.broadcast(per_worker[0], src)
 
     def barrier(self) -> None:
         pass

@@ -147,7 +147,29 @@ def _unflatten(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
-class TorchDistCommunicator(Communicator):
+class OneWorkerCollectives:
+    """The collectives of a process that hosts one worker, through its :class:`GroupOps` (``self.ops``)."""
+
+    ops: GroupOps
+
+    @torch.no_grad()
+    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
+        self.ops.all_reduce_mean(per_worker[0])
+
+    @torch.no_grad()
+    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
+        return [self.ops.all_gather(per_worker[0])]
+
+    @torch.no_grad()
+    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
+        return [self.ops.all_to_all(per_worker[0])]
+
+    @torch.no_grad()
+    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
+        self.ops.broadcast(per_worker[0], src)
+
+
+class TorchDistCommunicator(OneWorkerCollectives, Communicator):
     """One worker per process. Joins the process group from torchrun's environment, or uses the one the
     caller already initialised (``dist.init_process_group``), which it then leaves open on ``close``."""
 
@@ -249,22 +271,6 @@ class TorchDistCommunicator(Communicator):
                 f"worker {self.rank}: {what} failed; another worker probably died or the network broke "
                 f"(timeout {self.timeout.total_seconds():.0f}s). Cause: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
             ) from exc
-
-    @torch.no_grad()
-    def _all_reduce_mean(self, per_worker: TensorLists) -> None:
-        self.ops.all_reduce_mean(per_worker[0])
-
-    @torch.no_grad()
-    def _all_gather(self, per_worker: TensorLists) -> list[list[list[torch.Tensor]]]:
-        return [self.ops.all_gather(per_worker[0])]
-
-    @torch.no_grad()
-    def _all_to_all(self, per_worker: TensorLists) -> list[list[torch.Tensor]]:
-        return [self.ops.all_to_all(per_worker[0])]
-
-    @torch.no_grad()
-    def _broadcast(self, per_worker: TensorLists, src: int) -> None:
-        self.ops.broadcast(per_worker[0], src)
 
     def agree(self, flags: list[bool]) -> list[bool]:
         device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
