@@ -86,10 +86,16 @@ def test_the_memory_benchmark_measures_the_rows_asked_for_and_names_them_all_whe
     assert int4 < 0.7 * int8  # 0.56 bytes an element against 1.02 for the matrices; small tensors stay float32
     assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "=lordo", "--json", str(out)]) == 0
     assert [r["name"] for r in json.loads(out.read_text())["rows"]] == ["lordo"]  # '=': that name alone
+    assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--workers", "4", "--rows",
+                 "=lordo --lean, int4 rounds, sync_delay 1", "--json", str(out)]) == 0
+    at4 = json.loads(out.read_text())
+    assert at4["workers"] == 4 and at4["rows"][0]["peak_bytes"] >= at4["rows"][0]["measured_bytes"] > 0
     capsys.readouterr()
     assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--rows", "no such row"]) != 0
     err = capsys.readouterr().err
     assert "--rows 'no such row' matches no row" in err and "lordo --lean, int4 anchor" in err
+    assert main(["bench", "memory", "--shapes", "d64x1", "--no-peers", "--workers", "1"]) != 0
+    assert "--workers must be >= 2" in capsys.readouterr().err
 
 
 def test_host_overhead_benchmark_compares_source_trees(tmp_path):

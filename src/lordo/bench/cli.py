@@ -47,6 +47,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="comma-separated presets or dMODELxLAYERS shapes (vocabulary 32000 for the latter)")
     m.add_argument("--device", default="cpu", help="cpu or cuda (default cpu; on cuda the allocator's growth is read too)")
     m.add_argument("--no-peers", action="store_true", help="leave out AdamW, 8-bit AdamW and the GaLore peers")
+    m.add_argument("--workers", type=int, default=2, metavar="M",
+                   help="M: the strategies run as worker 0 of M (its shards of a compressed round are 1/M of the model; "
+                   "default 2)")
     m.add_argument("--rows", nargs="+", default=None, metavar="TEXT",
                    help="only the strategy rows whose name contains one of these texts (e.g. 'int4 anchor' 'lordo --lean "
                    "('), or is a text after '=' ('=lordo': that row alone); default: every row")
@@ -132,6 +135,8 @@ def main(argv: list[str]) -> int:
         res = basis_benchmark(args.preset, args.rank, args.steps, args.rounds, args.data_dir, args.iters, device)
         _write(out, res)
     elif args.what == "memory":
+        if args.workers < 2:
+            raise ConfigError(f"--workers must be >= 2 (a round exchanges between workers), got {args.workers}")
         shapes: list[tuple[str, int | None, int | None]] = []
         for item in (x for x in args.shapes.split(",") if x):
             if item.startswith("d") and "x" in item:
@@ -140,7 +145,7 @@ def main(argv: list[str]) -> int:
             else:
                 shapes.append((item, None, None))
         res = memory_benchmark(shapes, device, peers=not args.no_peers, log=lambda m: print(m, file=sys.stderr, flush=True),
-                               only=args.rows)
+                               only=args.rows, workers=args.workers)
         columns = [("shape", "shape", "s"), ("name", "optimizer", "s"), ("measured_bytes", "measured B", ","),
                    ("accounted_bytes", "accounted B", ","), ("total_vs_adamw", "× AdamW", ".2f"),
                    ("device_vs_adamw", "on device × AdamW", ".2f"), ("peak_vs_adamw", "peak × AdamW", ".2f")]

@@ -86,8 +86,8 @@ def _device_bytes(measured: dict[str, int]) -> int:
     return sum(v for k, v in measured.items() if not k.endswith(" (host)"))
 
 
-def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: int = 32) -> dict[str, Any]:
-    """Build the strategy as worker 0 of two in a process of its own (:class:`MirrorCommunicator`: its collectives
+def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: int = 32, workers: int = 2) -> dict[str, Any]:
+    """Build the strategy as worker 0 of ``workers`` in a process of its own (:class:`MirrorCommunicator`: its collectives
     allocate what torch.distributed's do), step until a synchronisation has happened (and, for a delayed one, while
     its round is in flight) and measure its state; follow every op of the synchronisation and of the step after it
     (where a delayed round lands) for the peak; on a GPU also the allocator's growth."""
@@ -95,14 +95,14 @@ def strategy_row(overrides: list[str], vocab: int, device: torch.device, seq: in
     from ..distributed_optimizer import DistributedOptimizer
     from ..model import build_model
 
-    cfg = build_config(overrides=[*overrides, "strategy.sync_every=2", "dist.workers=2"])
+    cfg = build_config(overrides=[*overrides, "strategy.sync_every=2", f"dist.workers={workers}"])
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
     models = [build_model(cfg, vocab).to(device)]
     before = torch.cuda.memory_allocated(device) if cuda else 0
     baseline = live_storages()  # the models, the codec's tables (made before), whatever the process held
-    opt = DistributedOptimizer(models, cfg, MirrorCommunicator(2), check_finish=False)
+    opt = DistributedOptimizer(models, cfg, MirrorCommunicator(workers), check_finish=False)
 
     def step(i: int, tracker: PeakTracker | None = None) -> None:
         for rank, model in enumerate(models):
@@ -208,10 +208,10 @@ def _picks(text: str, name: str) -> bool:
 
 def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: torch.device | None = None,
                      peers: bool = True, log: Callable[[str], None] = lambda _: None,
-                     only: list[str] | None = None) -> dict[str, Any]:
+                     only: list[str] | None = None, workers: int = 2) -> dict[str, Any]:
     """Every row at every shape, rank r = d_model/8 (min(p, q)/8 of every block matrix); ``log`` hears of each.
     ``only``: just the strategy rows whose name contains one of these texts, or is one after a leading ``=`` (a
-    ConfigError names the rows when none does)."""
+    ConfigError names the rows when none does). ``workers``: M, of which each strategy row measures worker 0."""
     chosen = [(name, extra) for name, extra in STRATEGY_ROWS if only is None or any(_picks(text, name) for text in only)]
     if not chosen:
         raise ConfigError(f"--rows {' '.join(map(repr, only or []))} matches no row; the rows: "
@@ -244,7 +244,8 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: t
         for name, extra in chosen:
             log(f"{label}: {name}")
             try:
-                found.append((name, strategy_row([*overrides, f"strategy.rank={rank}", *extra], vocab, device)))
+                found.append((name, strategy_row([*overrides, f"strategy.rank={rank}", *extra], vocab, device,
+                                                         workers=workers)))
             except ConfigError as exc:  # a fixed rank wider than this shape's matrices: not measured here
                 log(f"    not at this shape: {str(exc).splitlines()[0][:160]}")
         params = sum(p.numel() for p in build_model(base, vocab).parameters())
@@ -255,7 +256,7 @@ def memory_benchmark(shapes: list[tuple[str, int | None, int | None]], device: t
                          "total_vs_adamw": row["measured_bytes"] / adamw, "device_vs_adamw": row["device_bytes"] / adamw,
                          "peak_vs_adamw": row.get("peak_bytes", row["measured_bytes"]) / adamw,
                          "accounted_vs_measured": None if accounted is None else accounted / row["measured_bytes"]})
-    return {"machine": machine(), "device": str(device), "codec_tables_bytes": tables, "rows": rows}
+    return {"machine": machine(), "device": str(device), "workers": workers, "codec_tables_bytes": tables, "rows": rows}
 
 
 def within(rows: list[dict[str, Any]], tolerance: float = 0.02) -> list[str]:
