@@ -35,6 +35,19 @@ def _model_params(preset: str, device: torch.device, d_model: int | None = None,
 
 
 FLOOR = "2 rank-r GEMMs per matrix alone (floor)"
+FP8_LEAN = "lordo, lean in fp8 (E, full-rank and low-rank moments in e4m3)"
+COMPILED_CODEC = "lordo, lean in fp8, codec compiled (optim.compile_codec)"
+
+
+def _codec_mode(step: Callable[[], Any], compiled: bool) -> Callable[[], None]:
+    """``step`` with the fp8 codec compiled or eager (a process-wide switch, set before each timed step)."""
+    from ..optim import float8
+
+    def run() -> None:
+        float8.use_compiled(compiled)
+        step()
+
+    return run
 
 
 Replica = Callable[[], tuple[list, list[torch.Tensor], list[torch.Tensor]]]
@@ -65,7 +78,8 @@ def step_benchmark(preset: str, rank: int | None, rounds: int, device: torch.dev
     optimizers.update(_lordo_optimizers(replica, preset, r, device, compiled))
     if peers:
         optimizers.update(_peer_optimizers(replica, r, skipped))
-    fns: dict[str, Callable[[], None]] = {name: opt.step for name, opt in optimizers.items()}
+    fns: dict[str, Callable[[], None]] = {name: _codec_mode(opt.step, name == COMPILED_CODEC)
+                                          for name, opt in optimizers.items()}
     fns[FLOOR] = _gemm_floor(replica, r, gen, device)
     times = time_interleaved(fns, rounds=rounds, warmup=3, device=device)
     reference = "AdamW fused" if "AdamW fused" in times else "AdamW foreach"
@@ -120,6 +134,8 @@ def _lordo_optimizers(replica: Replica, preset: str, r: int, device: torch.devic
         "lordo, lean (int8 E, full-rank and low-rank moments)": {"error_feedback_dtype": "int8", "moments_dtype": "int8",
                                                                  "lowrank_moments_dtype": "int8"},
         "lordo, lean with fp8 E": {"error_feedback_dtype": "fp8", "moments_dtype": "int8", "lowrank_moments_dtype": "int8"},
+        FP8_LEAN: {"error_feedback_dtype": "fp8", "moments_dtype": "fp8", "lowrank_moments_dtype": "fp8"},
+        COMPILED_CODEC: {"error_feedback_dtype": "fp8", "moments_dtype": "fp8", "lowrank_moments_dtype": "fp8"},
     }
     for label, changes in forms.items():
         out[label] = build(dataclasses.replace(cfg.strategy, **changes))

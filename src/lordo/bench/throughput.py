@@ -3,7 +3,8 @@
 Short ``lordo train`` runs (child processes) of one model shape and strategy in every setting: float32 eager,
 bfloat16 autocast (``train.precision = "bf16-mixed"``: on a CPU with AVX-512 BF16 or AMX, oneDNN's bfloat16 GEMMs),
 ``torch.compile`` of the model (``train.compile``), the two together, and float32 with the lean optimizer state
-(``strategy.memory = "lean"``: what its 8-bit storage costs a step); each at one and two intra-op threads. The
+(``strategy.memory = "lean"``: what its 8-bit storage costs a step; ``lean-fp8``: the same with every compact
+entry in e4m3 and its codec compiled, ``optim.compile_codec``); each at one and two intra-op threads. The
 settings run round-robin, ``repeats`` times, so that drift in the machine's speed hits all alike; tokens/s is
 measured from the run's own clock between the first logged step past ``warmup`` (compiling, the first allocations)
 and the last, and reported as the median over repeats and as a ratio to float32 eager at one thread. Which setting
@@ -28,6 +29,9 @@ SETTINGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("fp32-compiled", "fp32, compiled", ('train.precision="fp32"', "train.compile=true")),
     ("bf16-compiled", "bf16-mixed, compiled", ('train.precision="bf16-mixed"', "train.compile=true")),
     ("lean", "fp32, lean state", ('train.precision="fp32"', 'strategy.memory="lean"')),
+    ("lean-fp8", "fp32, lean state in fp8, codec compiled",
+     ('train.precision="fp32"', 'strategy.memory="lean"', 'strategy.error_feedback_dtype="fp8"',
+      'strategy.moments_dtype="fp8"', 'strategy.lowrank_moments_dtype="fp8"', "optim.compile_codec=true")),
 )
 SETTING_KEYS = tuple(key for key, _, _ in SETTINGS)
 

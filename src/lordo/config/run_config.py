@@ -141,11 +141,11 @@ class Config:
                 raise ConfigError("strategy.lowrank_moments_dtype holds Adam's low-rank moments compact; LoRDO's Muon "
                                   "form (optim.inner = \"muon\") keeps its momentum in float32: leave it float32")
             if self.optim.compile_step:
-                raise ConfigError("strategy.lowrank_moments_dtype = \"int8\" steps each matrix alone; optim.compile_step "
-                                  "= true compiles the batched step: leave it false")
+                raise ConfigError(f"strategy.lowrank_moments_dtype = {s.lowrank_moments_dtype!r} steps each matrix alone; "
+                                  "optim.compile_step = true compiles the batched step: leave it false")
         if s.moments_dtype != "float32" and s.average_moments == "all":
             raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
-                              "moments_dtype = \"int8\" holds compact: use average_moments = auto or lowrank")
+                              f"moments_dtype = {s.moments_dtype!r} holds compact: use average_moments = auto or lowrank")
 
     def _check_muon(self) -> None:
         if self.strategy.name not in MUON_STRATEGIES:  # the low-rank strategies: LoRDO's Muon form (LowRankMuon)

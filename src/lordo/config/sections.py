@@ -81,6 +81,9 @@ class OptimConfig(Section):
     eps: float = setting(1e-8, "Adam epsilon", positive)
     weight_decay: float = setting(0.1, "decoupled weight decay (matrices only; norms never decay)", non_negative)
     grad_clip: float = setting(0.5, "global gradient-norm clip; 0 disables", non_negative)
+    compile_codec: bool = setting(False, "encode and decode the fp8 states (moments_dtype, lowrank_moments_dtype or "
+                                  "error_feedback_dtype fp8) through torch.compile: the same codes, several times faster; "
+                                  "compiled once per process (tens of seconds; on the CPU it needs a C++ compiler)")
     compile_step: bool = setting(False, "run the low-rank optimizer step batched over matrix shapes and through "
                                  "torch.compile (compiled at the first steps; on the CPU it needs a C++ compiler)")
     inner: str = setting("auto", "the inner optimizer: auto (the strategy's own: AdamW for ddp, local-adam and diloco, "
@@ -249,12 +252,13 @@ class StrategyConfig(Section):
     moments_dtype: str = setting("float32", "storage of the full-rank moments: the full-rank parameters' Adam moments "
                                  "(embedding, head, norms) in LoRDO's inner optimizer, and the whole inner optimizer's state "
                                  "for ddp, local-adam and diloco (AdamW's moments; with optim.inner = muon, Muon's momentum "
-                                 "too): float32 or int8 (8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; "
-                                 "tensors under 4,096 elements stay float32)", choice("float32", "int8"))
+                                 "too): float32, int8 (8-bit codes with a scale per block of 256, as 8-bit Adam keeps them; "
+                                 "tensors under 4,096 elements stay float32) or fp8 (e4m3 per block of 256, encoded by "
+                                 "arithmetic: fast with optim.compile_codec; not gated yet)", choice("float32", "int8", "fp8"))
     lowrank_moments_dtype: str = setting("float32", "storage of the low-rank matrices' Adam moments (u and v, r per row) "
                                          "in LoRDO's inner optimizer: float32 or int8 (as moments_dtype; each matrix is then "
                                          "stepped alone, its moments expanded meanwhile; moments under 1,024 entries stay "
-                                         "float32); Adam's form only", choice("float32", "int8"))
+                                         "float32) or fp8 (as moments_dtype); Adam's form only", choice("float32", "int8", "fp8"))
     anchor_dtype: str = setting("float32", "storage of the anchor (the model at the last synchronisation, local-update "
                                 "strategies): float32, bfloat16, int8 or int4 (with plain averaging the new model is "
                                 "computed in float32 and the anchor's rounding never reaches it; docs/concepts.md; int4 "

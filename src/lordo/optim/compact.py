@@ -28,7 +28,12 @@ the block's scale, are rounded to:
   torch's own conversion, with no table and no search: an encoding several times cheaper than the dynamic map's
   on a CPU, at about twice its error (relative steps of 2⁻³ where the map's top decade has 64 steps; normal values
   over about 4.5 decades below the block's largest magnitude, the map's over 6). Its codes are stored as
-  ``torch.float8_e4m3fn`` tensors, which tells a saved state's format apart from ``int8``'s; for error feedback.
+  ``torch.float8_e4m3fn`` tensors, which tells a saved state's format apart from ``int8``'s; for error feedback and
+  first moments.
+- ``ufp8`` (non-negative, blocks of 256): ``fp8`` on the square root of the entry, rounded stochastically by
+  arithmetic (optim/float8.py); for second moments. With ``fp8`` first moments it is ``moments_dtype = "fp8"``.
+
+The two e4m3 formats encode and decode through ``torch.compile`` after :func:`float8.use_compiled` (the same codes).
 
 Tensors below :data:`MIN_COMPACT_NUMEL` elements stay float32 (norm weights, biases: nothing to gain).
 """
@@ -43,11 +48,12 @@ from dataclasses import dataclass
 
 import torch
 
+from . import float8
+
 CODES, SCALE = ".codes", ".scale"
 MIN_COMPACT_NUMEL = 4096
 CODEC_CHUNK = 1 << 18  # elements encoded (rounded to the nearest code) or looked up at once: a multiple of every block
-FORMATS = ("int8", "uint8", "int4", "lin8", "fp8")
-FP8_MAX = 448.0  # e4m3fn's largest finite value
+FORMATS = ("int8", "uint8", "int4", "lin8", "fp8", "ufp8")
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,8 @@ UINT8 = Format("uint8", 8, 256, signed=False, stochastic=True, root=True)
 INT4 = Format("int4", 4, 64, signed=True)
 LIN8 = Format("lin8", 8, 256, signed=True)
 FP8 = Format("fp8", 8, 256, signed=True, float8=True)
-BY_NAME = {f.name: f for f in (INT8, UINT8, INT4, LIN8, FP8)}
+UFP8 = Format("ufp8", 8, 256, signed=False, stochastic=True, root=True, float8=True)
+BY_NAME = {f.name: f for f in (INT8, UINT8, INT4, LIN8, FP8, UFP8)}
 
 
 @functools.cache
@@ -166,19 +173,27 @@ def _count_below(y: torch.Tensor, fmt: Format, stochastic: bool) -> torch.Tensor
 @torch.no_grad()
 def encode(x: torch.Tensor, fmt: Format, seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, scales float32) of ``x``; ``seed`` makes stochastic rounding reproducible (formats that round
-    stochastically need it). A format that rounds to the nearest code encodes a large tensor :data:`CODEC_CHUNK`
-    elements at a time (blocks are encoded alone: the same codes), so its temporaries stay that size."""
+    stochastically need it). A large tensor is encoded :data:`CODEC_CHUNK` elements at a time (blocks are encoded
+    alone: the same codes), so its temporaries stay that size; except where the formats that round stochastically
+    by table draw their noise at once, and where the e4m3 formats are compiled (one loop, no temporaries)."""
     x = x.float()
-    if fmt.stochastic or x.numel() <= CODEC_CHUNK:
+    if fmt.float8 and fmt.stochastic and seed is None:
+        raise ValueError(f"format {fmt.name} rounds stochastically: give a seed")
+    if fmt.float8 and (float8.compiled() or x.numel() <= CODEC_CHUNK):  # arithmetic: compiled, one loop
+        return float8.encode(x, seed or 0, fmt.root, fmt.stochastic)
+    if not fmt.float8 and (fmt.stochastic or x.numel() <= CODEC_CHUNK):
         return _encode(x, fmt, seed)
     flat = x.reshape(-1)
-    parts = [_encode(flat[i:i + CODEC_CHUNK], fmt, seed) for i in range(0, flat.numel(), CODEC_CHUNK)]
+    def part(y: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if fmt.float8:  # its stochastic draws by element index: the same codes as whole
+            return float8.encode(y, seed or 0, fmt.root, fmt.stochastic, offset=offset)
+        return _encode(y, fmt, seed)
+
+    parts = [part(flat[i:i + CODEC_CHUNK], i) for i in range(0, flat.numel(), CODEC_CHUNK)]
     return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
 
 
 def _encode(x: torch.Tensor, fmt: Format, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if fmt.float8:
-        return _encode_float8(x)
     if fmt.root:
         x = x.clamp(min=0).sqrt_()  # in place on clamp's copy
     rows = _blocks(x, fmt.block)
@@ -216,20 +231,11 @@ def _round_stochastically(y: torch.Tensor, noise: torch.Tensor, fmt: Format) -> 
     return upper.view_as(y).sub_((~take_hi).view(torch.uint8))
 
 
-def _encode_float8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8``: each block divided by its largest magnitude / 448 and converted to e4m3 (round to nearest even);
-    the scale stored is that divisor, so a code's value times the scale is the element."""
-    rows = _blocks(x, FP8.block)
-    most, least = rows.amax(dim=1), rows.amin(dim=1)
-    scale = torch.maximum(most, least.neg()).abs_().div_(FP8_MAX)
-    y = rows / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
-    codes = y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # the clamp: a quotient a rounding above 448
-    return codes.reshape(-1), scale
-
-
 @torch.no_grad()
 def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: Format, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
     """The float32 tensor of ``shape`` that :func:`encode` gave ``codes`` and ``scale`` for."""
+    if fmt.float8 and float8.compiled():
+        return float8.decode(codes, scale, math.prod(shape), fmt.root).view(shape)
     if fmt.bits == 4:
         codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)
     if codes.dtype == torch.float8_e4m3fn:  # by bit pattern: torch's own fp8 conversion is slower than a lookup

@@ -16,6 +16,8 @@ magnitude slower than a float32 one, and float32 makes Muon usable there.
 holds its full-rank moments: Muon's momentum in the signed dynamic map, and the other parameters' AdamW moments
 through ``LowRankQHAdam(rank=None, omega=1)`` (AdamW's update, its moments held compact). The step's arithmetic
 stays float32; only the storage between steps is rounded. Tensors below ``compact.MIN_COMPACT_NUMEL`` stay float32.
+``moments_dtype = "fp8"`` holds them in e4m3 per block instead (the momentum and first moments rounded to the
+nearest, √v stochastically; optim/float8.py).
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from .state import restore_saved_dtypes
 
 ADJUST_LR = ("original", "match_rms_adamw")
 NS_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
-MOMENTS_DTYPES = ("float32", "int8")
+MOMENTS_DTYPES = ("float32", "int8", "fp8")
+BUFFER_FORMATS = {"int8": compact.INT8, "fp8": compact.FP8}  # Muon's momentum under moments_dtype
 BUFFER = "momentum_buffer"
 
 
 def holds_compact(p: torch.Tensor, moments_dtype: str) -> bool:
     """Whether Muon's momentum of ``p`` is held in 8 bits under ``moments_dtype``."""
-    return moments_dtype == "int8" and compact.worth_compacting(p.numel())
+    return moments_dtype in BUFFER_FORMATS and compact.worth_compacting(p.numel())
 
 
 def muon_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], state: MutableMapping, group: dict,
@@ -59,7 +62,7 @@ def muon_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], sta
         buf.lerp_(grad, 1 - mu)
         update = grad.lerp(buf, mu) if group["nesterov"] else buf
         if held:
-            compact.store(state[p], BUFFER, buf, compact.INT8)
+            compact.store(state[p], BUFFER, buf, BUFFER_FORMATS[moments_dtype])
         o = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], ns_dtype)
         p.mul_(1 - lr * group["weight_decay"])
         p.add_(o, alpha=-lr * muon_scale(p.shape, group["adjust_lr_fn"]))
@@ -69,7 +72,8 @@ def _momentum(state: dict, grad: torch.Tensor, held: bool) -> torch.Tensor:
     """The momentum buffer to update: the state's own tensor when it is kept so (created as zeros at the first step),
     else a float32 copy (expanded from its codes, or of a buffer saved in the other storage) to store back."""
     if compact.is_compact(state, BUFFER):  # held compact, or saved so and loaded where it is not: expand it
-        buf = compact.load(state, BUFFER, compact.INT8, grad.shape)
+        saved = compact.FP8 if state[BUFFER + compact.CODES].dtype == torch.float8_e4m3fn else compact.INT8
+        buf = compact.load(state, BUFFER, saved, grad.shape)
         if not held:
             del state[BUFFER + compact.CODES], state[BUFFER + compact.SCALE]
             state[BUFFER] = buf
@@ -127,9 +131,9 @@ def _adamw(groups: list[dict], *, lr: float, weight_decay: float, betas: tuple[f
            moments_dtype: str) -> torch.optim.Optimizer:
     """torch's AdamW over ``groups``, or with ``moments_dtype = "int8"`` AdamW's update with its moments held in 8 bits
     (``LowRankQHAdam`` at ``rank=None, omega=1``)."""
-    if moments_dtype == "int8":
+    if moments_dtype != "float32":
         return LowRankQHAdam(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, omega=1.0, rank=None,
-                             moments_dtype="int8")
+                             moments_dtype=moments_dtype)
     fused = takes_fused_adamw([p for g in groups for p in g["params"]])
     return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                              fused=fused or None, foreach=None if fused else True)
@@ -174,7 +178,7 @@ class MuonAdamW(torch.optim.Optimizer):
     matrix's rate by 0.2·sqrt(max(p, q)), so that the learning rate and weight decay tuned for AdamW carry
     over, Moonshot's rule); ``ns_dtype`` the Newton–Schulz precision (:class:`PrecisionMuon`: bfloat16 is torch's
     own step); ``betas`` and ``eps`` AdamW's; ``moments_dtype`` the storage of both optimizers' state between
-    steps (``"int8"``: Muon's momentum and AdamW's moments in 8 bits, see the module doc)."""
+    steps (``"int8"`` or ``"fp8"``: Muon's momentum and AdamW's moments in 8 bits, see the module doc)."""
 
     def __init__(self, groups: Sequence[dict], *, lr: float = 1e-3, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.95,
@@ -253,9 +257,9 @@ class MuonAdamW(torch.optim.Optimizer):
                              f"{n + len(self.adamw.param_groups)}")
         saved_compact = all("moments_dtype" in g for g in groups[n:])
         if saved_compact != isinstance(self.adamw, LowRankQHAdam):
-            saved, own = ("int8", "float32") if saved_compact else ("float32", "int8")
-            raise ValueError(f"this state was saved with moments_dtype={saved!r} and this MuonAdamW has "
-                             f"moments_dtype={own!r}: build it with moments_dtype={saved!r} to load it")
+            saved, own = ("'int8' or 'fp8'", "'float32'") if saved_compact else ("'float32'", "'int8' or 'fp8'")
+            raise ValueError(f"this state was saved with moments_dtype={saved} and this MuonAdamW has "
+                             f"moments_dtype={own}: build it with the saved storage to load it")
         for opt, part in ((self.muon, groups[:n]), (self.adamw, groups[n:])):
             indices = {i for g in part for i in g["params"]}
             offset = min(indices, default=0)

@@ -96,7 +96,7 @@ def _check_galore_keys(group: dict) -> None:
 
 
 EF_DTYPES = (None, torch.float32, torch.float64, torch.bfloat16, torch.float16, "int8", "int4", "fp8")
-MOMENTS_DTYPES = (None, "float32", "int8")
+MOMENTS_DTYPES = (None, "float32", "int8", "fp8")
 
 
 def _check_storage(group: dict) -> None:
@@ -108,17 +108,18 @@ def _check_storage(group: dict) -> None:
                          f"torch.float16, 'int8', 'int4' or 'fp8', got {ef!r}")
     moments = group.setdefault("moments_dtype", None)
     if moments not in MOMENTS_DTYPES:
-        raise ValueError(f"moments_dtype must be None, 'float32' or 'int8' (the full-rank groups' Adam moments), got {moments!r}")
+        raise ValueError(f"moments_dtype must be None, 'float32', 'int8' or 'fp8' (the full-rank groups' Adam moments), "
+                         f"got {moments!r}")
     if moments == "float32":
         group["moments_dtype"] = None
     lowrank = group.setdefault("lowrank_moments_dtype", None)
     if lowrank not in MOMENTS_DTYPES:
-        raise ValueError(f"lowrank_moments_dtype must be None, 'float32' or 'int8' (the low-rank matrices' moments), "
+        raise ValueError(f"lowrank_moments_dtype must be None, 'float32', 'int8' or 'fp8' (the low-rank matrices' moments), "
                          f"got {lowrank!r}")
     if lowrank == "float32":
         group["lowrank_moments_dtype"] = None
-    if lowrank == "int8" and group.get("compile"):
-        raise ValueError("lowrank_moments_dtype='int8' steps each matrix alone (its moments expanded meanwhile): "
+    if lowrank in ("int8", "fp8") and group.get("compile"):
+        raise ValueError(f"lowrank_moments_dtype={lowrank!r} steps each matrix alone (its moments expanded meanwhile): "
                          "compile=True compiles the batched step; leave compile=False")
     if isinstance(ef, str) and group.get("compile"):
         raise ValueError(f"error_feedback_dtype={ef!r} steps each matrix alone (its E expanded meanwhile): compile=True "

@@ -62,7 +62,16 @@ def ensure_state(group: dict, params: list[torch.Tensor], state: MutableMapping,
             init_lowrank(state[p], p, group, basis, second_moment)
 
 
-MOMENT_FORMATS = {"exp_avg": compact.INT8, "exp_avg_sq": compact.UINT8}  # moments_dtype = "int8"
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# moments_dtype (and lowrank_moments_dtype) "int8": the dynamic maps, √v rounded stochastically by table; "fp8": e4m3,
+# √v rounded stochastically by arithmetic (optim/float8.py)
+MOMENT_FORMATS = {"int8": {"exp_avg": compact.INT8, "exp_avg_sq": compact.UINT8},
+                  "fp8": {"exp_avg": compact.FP8, "exp_avg_sq": compact.UFP8}}
+
+
+def moment_formats(dtype: str | None) -> dict[str, compact.Format]:
+    """The compact formats of the two moments under ``dtype`` (none for float32)."""
+    return dict(MOMENT_FORMATS.get(dtype, {})) if isinstance(dtype, str) else {}
 
 
 def ef_format(group: dict) -> compact.Format | None:
@@ -84,12 +93,11 @@ def moment_shape(p: torch.Tensor, rank: int) -> tuple[int, int]:
 def compact_formats(group: dict, p: torch.Tensor) -> dict[str, compact.Format]:
     """The state entries of ``p`` that ``group`` holds compact (none for tensors too small to gain)."""
     if group["rank"] is None:
-        wanted = group.get("moments_dtype") == "int8" and compact.worth_compacting(local(p).numel())
-        return dict(MOMENT_FORMATS) if wanted else {}
+        return moment_formats(group.get("moments_dtype")) if compact.worth_compacting(local(p).numel()) else {}
     out: dict[str, compact.Format] = {}
     rows, cols = moment_shape(p, group["rank"])
-    if group.get("lowrank_moments_dtype") == "int8" and rows * cols >= MIN_COMPACT_MOMENT_NUMEL:
-        out.update(MOMENT_FORMATS)
+    if rows * cols >= MIN_COMPACT_MOMENT_NUMEL:
+        out.update(moment_formats(group.get("lowrank_moments_dtype")))
     fmt = ef_format(group)
     if fmt is not None and group["error_feedback"] and compact.worth_compacting(local(p).numel()):
         out["error_feedback"] = fmt
@@ -167,12 +175,14 @@ def conform(state: dict, group: dict, p: torch.Tensor) -> None:
 
 
 def _saved_format(state: dict, key: str, group: dict) -> compact.Format:
-    """The format of a compact entry, from its key and its codes' dtype and size (int8, int4 or fp8 error feedback)."""
+    """The format of a compact entry, from its key and its codes' dtype and size (moments in int8 or fp8; error
+    feedback in int8, int4 or fp8)."""
     codes, scale = state[key + compact.CODES], state[key + compact.SCALE]
-    if codes.dtype == torch.float8_e4m3fn:
+    float8 = codes.dtype == torch.float8_e4m3fn
+    if key in MOMENT_KEYS:
+        return MOMENT_FORMATS["fp8" if float8 else "int8"][key]
+    if float8:
         return compact.FP8
-    if key in MOMENT_FORMATS:
-        return MOMENT_FORMATS[key]
     return compact.INT4 if codes.numel() * 2 == scale.numel() * compact.INT4.block else compact.INT8
 
 
@@ -208,12 +218,12 @@ def state_bytes(groups: Sequence[dict], lowrank_moments: int = 2) -> dict[str, i
             formats = compact_formats(group, param)
             if group["rank"] is None:
                 out["full_rank_moments"] += sum(compact.nbytes(formats[k], p.numel()) if k in formats
-                                                else p.numel() * max(itemsize, 4) for k in MOMENT_FORMATS)
+                                                else p.numel() * max(itemsize, 4) for k in MOMENT_KEYS)
                 continue
             r = group["rank"]
             big = p.shape[0] if side_of(param.shape) == Side.RIGHT else p.shape[1]
             out["lowrank_moments"] += sum(compact.nbytes(formats[k], big * r) if k in formats else big * r * max(itemsize, 4)
-                                          for k in list(MOMENT_FORMATS)[:lowrank_moments])
+                                          for k in MOMENT_KEYS[:lowrank_moments])
             out["bases"] += min(param.shape) * r * 4  # the basis is whole on every rank
             if group["error_feedback"] and "error_feedback" in formats:
                 out["error_feedback"] += compact.nbytes(formats["error_feedback"], p.numel())

@@ -20,7 +20,7 @@ from ..config import DEFAULT_LR, Config, OptimConfig, StrategyConfig
 from ..config.sections import outer_settings
 from ..errors import ConfigError
 from ..model.params import ParamGroup
-from ..optim import LowRankQHAdam, compact
+from ..optim import LowRankQHAdam, compact, float8
 from ..optim.functional import takes_fused_adamw
 from ..optim.hybrid import MuonAdamW
 from ..optim.muon import LowRankMuon
@@ -57,6 +57,8 @@ def make_inner(groups: Sequence[ParamGroup], o: OptimConfig, moments_dtype: str 
     torch's Muon on the 2-D parameters of the groups whose rule marks them as block matrices and AdamW on the rest
     (:class:`~lordo.optim.hybrid.MuonAdamW`); ``moments_dtype`` (``strategy.moments_dtype``) holds their state in 8
     bits between steps."""
+    if o.compile_codec:
+        float8.use_compiled()
     if o.inner != "muon":
         return make_adamw(groups, o, moments_dtype)
     if any(p.dtype in (torch.float16, torch.bfloat16) for g in groups for p in g.params):
@@ -120,6 +122,8 @@ def make_lowrank_optimizer(groups: Sequence[ParamGroup], s: StrategyConfig, o: O
                            error_feedback: bool | None = None) -> LowRankQHAdam:
     """``LowRankQHAdam`` over the low-rank split of ``groups`` with the config's hyperparameters (``LowRankMuon``, its
     Muon form, with ``optim.inner = muon``)."""
+    if o.compile_codec:
+        float8.use_compiled()
     specs, _ = split_lowrank(groups, s.lowrank_pattern, s.rank)
     param_groups = [
         {"params": spec["params"], "rank": spec["rank"], "name": spec["name"],
