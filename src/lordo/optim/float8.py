@@ -156,7 +156,8 @@ def encode(x: torch.Tensor, seed: int = 0, root: bool = False, stochastic: bool 
     limit, start, key = _constants(x.device)
     if stochastic:
         start, key = _keys(seed, offset, x.device)
-    return (_kernel("encode") if _compiled["on"] else _encode)(x, start, key, limit, root, stochastic)
+    # flat: one compiled graph per format (and whether the tail is padded), whatever the tensor's rank
+    return (_kernel("encode") if _compiled["on"] else _encode)(x.reshape(-1), start, key, limit, root, stochastic)
 
 
 def decode(codes: torch.Tensor, scale: torch.Tensor, numel: int, root: bool = False) -> torch.Tensor:
