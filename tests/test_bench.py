@@ -282,6 +282,11 @@ def test_the_throughput_benchmark_runs_the_settings_asked_for_against_fp32(tmp_p
     assert rows[0]["ratio"] == 1.0 and all(r["tokens_per_s"] > 0 for r in rows)
     for bad in ("lean", "fp32,fp16"):  # the reference missing; a setting that does not exist
         assert main(["bench", "throughput", "--preset", "nano", "--settings", bad]) == 2
+    from lordo.bench.throughput import SETTINGS
+    from lordo.config import build_config
+
+    for key, _, overrides in SETTINGS:  # every setting is a valid configuration of lordo (the one not run above too)
+        assert build_config(overrides=['strategy.name="lordo"', *overrides]).train.precision in ("fp32", "bf16-mixed"), key
 
 
 def test_the_merge_screen_changes_only_the_landing(tmp_path, data_dir, monkeypatch):
