@@ -57,8 +57,9 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _keys(seed: int, offset: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset, the seed's hash) as 0-d int64 tensors: passed to the compiled code as numbers, Inductor's CPU code
-    generator (torch 2.13) turned the integer arithmetic that uses them into float32 vector code."""
+    """(offset, the seed's hash) as 0-d int64 tensors: passed to the compiled code as Python ints, they made
+    Inductor's CPU code generator (torch 2.13) emit the integer arithmetic on them as float32 vector code that does
+    not compile."""
     h = int(seed) & M31
     for c in HASH:
         h = ((h * c) ^ ((h * c) >> 31)) & M31
