@@ -11,7 +11,6 @@ import torch
 from test_fp8 import e4m3_values
 
 from lordo.config import build_config
-from lordo.errors import ConfigError
 from lordo.optim import LowRankQHAdam, compact, float8
 from lordo.optim.hybrid import MuonAdamW
 
@@ -200,7 +199,7 @@ def test_fp8_moments_and_the_compiled_codec_are_settings():
     cfg = build_config(overrides=['strategy.moments_dtype="fp8"', 'strategy.lowrank_moments_dtype="fp8"',
                                   "optim.compile_codec=true"])
     assert (cfg.strategy.moments_dtype, cfg.strategy.lowrank_moments_dtype, cfg.optim.compile_codec) == ("fp8", "fp8", True)
-    with pytest.raises(ConfigError, match="compile_codec = true compiles the codec of the fp8.*no state here is fp8"):
-        build_config(overrides=["optim.compile_codec=true", 'strategy.memory="lean"'])
+    # where no state is fp8 it compiles nothing (a sweep sets it in its base for every point, its float32 reference too)
+    assert build_config(overrides=["optim.compile_codec=true"]).optim.compile_codec
     with pytest.raises(ValueError, match="'int8' or 'fp8'"):
         LowRankQHAdam([torch.nn.Parameter(torch.randn(8, 8))], rank=2, moments_dtype="fp4")

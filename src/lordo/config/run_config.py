@@ -143,11 +143,6 @@ class Config:
             if self.optim.compile_step:
                 raise ConfigError(f"strategy.lowrank_moments_dtype = {s.lowrank_moments_dtype!r} steps each matrix alone; "
                                   "optim.compile_step = true compiles the batched step: leave it false")
-        fp8 = "fp8" in (s.error_feedback_dtype, s.moments_dtype, s.lowrank_moments_dtype)
-        if self.optim.compile_codec and not fp8:
-            raise ConfigError("optim.compile_codec = true compiles the codec of the fp8 (e4m3) states, and no state here "
-                              "is fp8: set strategy.error_feedback_dtype, moments_dtype or lowrank_moments_dtype to \"fp8\", "
-                              "or leave compile_codec false")
         if s.moments_dtype != "float32" and s.average_moments == "all":
             raise ConfigError("strategy.average_moments = \"all\" averages the full-rank moments in place, which "
                               f"moments_dtype = {s.moments_dtype!r} holds compact: use average_moments = auto or lowrank")

@@ -83,7 +83,8 @@ class OptimConfig(Section):
     grad_clip: float = setting(0.5, "global gradient-norm clip; 0 disables", non_negative)
     compile_codec: bool = setting(False, "encode and decode the fp8 states (moments_dtype, lowrank_moments_dtype or "
                                   "error_feedback_dtype fp8) through torch.compile: the same codes, several times faster; "
-                                  "compiled once per process (tens of seconds; on the CPU it needs a C++ compiler)")
+                                  "compiled once per process (tens of seconds; on the CPU it needs a C++ compiler); no effect where no "
+                                  "state is fp8")
     compile_step: bool = setting(False, "run the low-rank optimizer step batched over matrix shapes and through "
                                  "torch.compile (compiled at the first steps; on the CPU it needs a C++ compiler)")
     inner: str = setting("auto", "the inner optimizer: auto (the strategy's own: AdamW for ddp, local-adam and diloco, "
