@@ -76,10 +76,12 @@ class LowRankQHAdam(BasisMethods, StateAccess, torch.optim.Optimizer):
     term; with it the term applies (1 − ω)·E of the error feedback every step, which ``keep`` leaves in E
     too (E then sums every dropped gradient while a basis stays and can grow without bound) and ``remove``
     takes out. ``error_feedback_dtype``: dtype of E (default: the parameter's); bfloat16 halves it, while
-    A is still formed in the parameter's precision; ``"int8"`` / ``"int4"`` hold E in blocks of 8 / 4-bit codes with a
-    scale each (optim/compact.py). ``moments_dtype = "int8"`` holds the full-rank groups' moments so, and
-    ``lowrank_moments_dtype = "int8"`` the low-rank matrices' u and v (each matrix then stepped alone, its state
-    expanded to float32 meanwhile; the Adam form only). State is tensors, bool flags and floats only, so ``state_dict()``
+    A is still formed in the parameter's precision; ``"int8"`` / ``"int4"`` / ``"fp8"`` hold E in blocks of 8 / 4-bit
+    codes or e4m3 values with a scale each (optim/compact.py). ``moments_dtype = "int8"`` (or ``"fp8"``: e4m3, √v
+    rounded stochastically by arithmetic, optim/float8.py) holds the full-rank groups' moments so, and
+    ``lowrank_moments_dtype`` the low-rank matrices' u and v (each matrix then stepped alone, its state expanded to
+    float32 meanwhile; the Adam form only). ``lordo.optim.float8.use_compiled()`` compiles the e4m3 codec.
+    State is tensors, bool flags and floats only, so ``state_dict()``
     loads with ``torch.load(..., weights_only=True)``; LR schedulers work through ``param_groups``.
 
     ``batched`` (a group option, like torch's ``foreach``): run the low-rank step for all matrices of one
