@@ -29,6 +29,7 @@ RESUMABLE_CHANGES = {
     ("comm", "intra_bandwidth_gbit"),
     ("comm", "medium"),
     ("strategy", "offload_anchor"),
+    ("optim", "compile_codec"),  # the same codes compiled or not (tests/test_float8.py)
 }
 
 
