@@ -178,8 +178,9 @@ def print_race(res: dict[str, Any]) -> None:
 
 
 def plot_race(res: dict[str, Any], out: Path) -> Path:
-    """Validation perplexity against minutes, one panel per rate, one line per configuration (its first seed; dashed
-    where the step time is modelled)."""
+    """Validation perplexity against minutes (both on log scales: ddp's hours beside local steps' minutes), one panel
+    per rate, one line per configuration (its first seed; dashed where the step time is modelled), a colour of its
+    own in both panels and one legend under them."""
     try:
         import matplotlib
 
@@ -188,20 +189,26 @@ def plot_race(res: dict[str, Any], out: Path) -> Path:
     except ImportError:
         raise ConfigError("the plot needs matplotlib: pip install 'lordo[report]'") from None
     rates = res["rates_mbit"]
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False)
+    labels = list(dict.fromkeys(r["label"] for r in res["rows"]))
+    palette = plt.get_cmap("tab20")  # an integer picks one of its 20 colours
+    colour = {label: palette((2 * i) % 20 + (2 * i) // 20 % 2) for i, label in enumerate(labels)}  # dark shades first
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5 + 0.22 * len(labels)), squeeze=False)
     for ax, rate in zip(axes[0], rates):
         for row in (r for r in res["rows"] if r["rate_mbit"] == rate):
             first = next(iter(row["seeds"].values()))
             xs, ys = zip(*first["curve"][1:]) if len(first["curve"]) > 1 else ((), ())
-            ax.plot(xs, ys, label=f"{row['label']} ({row['step_time']})",
+            ax.plot(xs, ys, label=f"{row['label']} ({row['step_time']})", color=colour[row["label"]],
                     linestyle="-" if row["step_time"] == "measured" else "--")
+        ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("minutes of training over the link", fontsize=11)
         ax.set_ylabel("validation perplexity", fontsize=11)
         ax.set_title(f"{rate:g} Mbit/s, one shared medium", fontsize=12)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=9)
-    fig.tight_layout()
+    handles, names = axes[0][0].get_legend_handles_labels()
+    rows_of_legend = -(-len(names) // 2)
+    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend * 4.5 / (4.5 + 0.22 * len(labels)), 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
