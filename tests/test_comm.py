@@ -295,6 +295,7 @@ def _closing_worker(clean: bool):
 
     comm = TorchDistCommunicator("gloo", timeout_s=20)
     comm.all_reduce_mean([[torch.ones(10)]], tag="gradient")
+    destroyed: list[float] = []
     if comm.rank == 1:
         if not clean:
             time.sleep(3.0)  # never reaches a barrier in time: rank 0 must not wait for it
@@ -303,18 +304,21 @@ def _closing_worker(clean: bool):
         def slow_destroy(*args, **kwargs):
             time.sleep(1.0)  # a slow teardown: the store host must outlive it
             destroy(*args, **kwargs)
+            destroyed.append(time.time())
 
         dist.destroy_process_group = slow_destroy
     t0 = time.monotonic()
     comm.close(clean)
-    return time.time(), time.monotonic() - t0
+    # rank 0: when it returned; rank 1: when its group was gone (its own return comes after it tells the store,
+    # which lets rank 0 go: the two returns race by milliseconds)
+    return (destroyed[0] if destroyed else time.time()), time.monotonic() - t0
 
 
 def test_a_clean_close_lets_the_store_host_leave_last():
     results = run_gloo(_closing_worker, 2, True, timeout=60)
     (status0, (left0, _)), (status1, (left1, _)) = results[0], results[1]
     assert status0 == status1 == "ok"
-    assert left0 >= left1  # rank 0 returned only after rank 1 had destroyed its group
+    assert left0 >= left1  # rank 0 returned only after rank 1 had destroyed its group (left1: when it had)
 
 
 def test_closing_after_an_error_waits_for_no_peer():
